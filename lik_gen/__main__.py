@@ -1,0 +1,5 @@
+import sys
+
+from lik_gen.cli import main
+
+sys.exit(main())

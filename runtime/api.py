@@ -1,0 +1,117 @@
+"""Public entry points: maxsim and maxsim_pairs (see API.md for the contract)."""
+
+from __future__ import annotations
+
+import torch
+
+from lik.runtime import dispatch, validate
+from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+
+_Q_DOC = "[Nq, Lq, d] or [Lq, d]"
+_D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _refuse_grad(name: str) -> None:
+    raise NotImplementedError(
+        f"{name}: gradients through the generated kernels are not available yet; call it "
+        "under torch.no_grad() (or with inputs that do not require grad), or use "
+        "lik.runtime.reference for training"
+    )
+
+
+def maxsim(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str | None = None,
+) -> torch.Tensor:
+    """Late-interaction scores: sum over query tokens of the max similarity over doc tokens.
+
+    Q [Nq, Lq, d] (or [Lq, d], squeezing the query axis of the result) against
+    D [Nd, Ld, d] -> [Nq, Nd] (in-batch cross product), D [Nq, K, Ld, d] -> [Nq, K]
+    (distillation / hard negatives, one launch), or D [Ld, d] -> [Nq]. Masks are bool,
+    True = valid: q_mask [Nq, Lq]; d_mask [Nd, Ld], [Nq, K, Ld] or [Ld]. A masked doc
+    token never wins; a query token with no valid doc token adds 0; masked query tokens
+    add 0. normalize=True L2-normalizes tokens inside the kernel. Output fp32.
+    """
+    validate.backward_choice(backward)
+    Q = validate.tensor("Q", Q, (2, 3), _Q_DOC)
+    D = validate.tensor("D", D, (2, 3, 4), _D_DOC)
+    validate.same_dtype_and_device(Q, D)
+    validate.head_dims(Q, D)
+    squeeze_query = Q.dim() == 2
+    Q3 = Q.unsqueeze(0) if squeeze_query else Q
+    Nq, Lq = Q3.shape[0], Q3.shape[1]
+    q_expected = (Lq,) if squeeze_query else (Nq, Lq)
+    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device, f"{list(q_expected)}")
+    if q_mask is not None and squeeze_query:
+        q_mask = q_mask.unsqueeze(0)
+
+    if D.dim() == 4:
+        if D.shape[0] != Nq:
+            raise ValueError(
+                f"D in the kd layout [Nq, K, Ld, d] must have Nq={Nq} rows like Q, "
+                f"got shape {tuple(D.shape)}"
+            )
+        layout, D3, squeeze_doc = "kd", D, False
+        d_expected = tuple(D.shape[:3])
+    else:
+        squeeze_doc = D.dim() == 2
+        layout, D3 = "dense", D.unsqueeze(0) if squeeze_doc else D
+        d_expected = tuple(D.shape[:-1])
+    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device, f"{list(d_expected)}")
+    if d_mask is not None and squeeze_doc:
+        d_mask = d_mask.unsqueeze(0)
+
+    path = dispatch.backend(Q.device)
+    if path == "reference":
+        out = maxsim_reference(Q3, D3, q_mask, d_mask, normalize=normalize).float()
+    else:
+        if _needs_grad(Q, D):
+            _refuse_grad("maxsim")
+        shape = (Nq, D3.shape[1]) if layout == "kd" else (Nq, D3.shape[0])
+        out = torch.empty(shape, dtype=torch.float32, device=Q.device)
+        dispatch.forward(layout, Q3, D3, q_mask, d_mask, normalize, out)
+    if squeeze_doc:
+        out = out[:, 0]
+    return out[0] if squeeze_query else out
+
+
+def maxsim_pairs(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = False,
+    backward: str | None = None,
+) -> torch.Tensor:
+    """Diagonal MaxSim: Q [B, Lq, d] with D [B, Ld, d] -> [B], query b against doc b.
+
+    Never builds the [B, B] cross product. Masks and normalize as in maxsim.
+    """
+    validate.backward_choice(backward)
+    Q = validate.tensor("Q", Q, (3,), "[B, Lq, d]")
+    D = validate.tensor("D", D, (3,), "[B, Ld, d]")
+    validate.same_dtype_and_device(Q, D)
+    validate.head_dims(Q, D)
+    if Q.shape[0] != D.shape[0]:
+        raise ValueError(
+            f"maxsim_pairs needs one doc per query: Q has B={Q.shape[0]}, D has {D.shape[0]}"
+        )
+    B, Lq, Ld = Q.shape[0], Q.shape[1], D.shape[1]
+    q_mask = validate.mask("q_mask", q_mask, (B, Lq), Q.device, "[B, Lq]")
+    d_mask = validate.mask("d_mask", d_mask, (B, Ld), D.device, "[B, Ld]")
+    if dispatch.backend(Q.device) == "reference":
+        return maxsim_pairs_reference(Q, D, q_mask, d_mask, normalize=normalize).float()
+    if _needs_grad(Q, D):
+        _refuse_grad("maxsim_pairs")
+    out = torch.empty((B,), dtype=torch.float32, device=Q.device)
+    return dispatch.forward("pairs", Q, D, q_mask, d_mask, normalize, out)

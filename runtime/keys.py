@@ -1,0 +1,90 @@
+"""Call -> KernelKey: which generated variant, and which tuning bucket, serves a call.
+
+Nq, Nd and Ld never enter a key (they are runtime arguments of every kernel); the head
+dim and the query length enter only as buckets, so new shapes reuse compiled kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# Longest query one launch scores; longer queries are cut into chunks of this many
+# tokens whose per-chunk sums add up exactly (a max never spans query tokens).
+LQ_CHUNK = 512
+MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
+MAX_HEAD_DIM = 512
+
+_DTYPE_TOKEN = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+SUPPORTED_DTYPES = tuple(_DTYPE_TOKEN)
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def padded_head_dim(d: int) -> int:
+    return max(MIN_BLOCK, next_power_of_two(d))
+
+
+def lq_bucket(lq: int) -> int:
+    return min(LQ_CHUNK, max(MIN_BLOCK, next_power_of_two(lq)))
+
+
+def size_class(programs: int) -> str:
+    """Coarse grid size: tiny launches want latency-lean configs, big ones throughput."""
+    if programs < 1024:
+        return "s"
+    if programs < 65536:
+        return "m"
+    return "l"
+
+
+def gpu_family(device: torch.device) -> str:
+    """Tuning-table family of a device: the GPU generation, or 'interpreter' on CPU."""
+    if device.type != "cuda":
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device)
+    if torch.version.hip is not None:
+        return "rocm"
+    if major >= 10:
+        return "blackwell"
+    if major == 9:
+        return "hopper"
+    if (major, minor) == (8, 9):
+        return "ada"
+    if major == 8:
+        return "ampere"
+    return "older"
+
+
+def variant_name(
+    layout: str,
+    has_q_mask: bool,
+    has_d_mask: bool,
+    normalize: bool,
+    dtype: torch.dtype,
+    target: str = "triton",
+) -> str:
+    """The canonical generated-variant name (see lik_gen.ir.Variant.name)."""
+    mask = {
+        (False, False): "nomask",
+        (True, False): "qmask",
+        (False, True): "dmask",
+        (True, True): "qdmask",
+    }[(has_q_mask, has_d_mask)]
+    name = f"maxsim_{layout}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
+    return name + "_norm" if normalize else name
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    variant: str
+    family: str
+    head_dim: int  # padded to a power of two
+    lq: int  # Lq bucket
+    size: str  # size_class of the grid
+
+    def table_key(self) -> str:
+        return f"{self.variant}|{self.head_dim}|{self.lq}|{self.size}"

@@ -1,0 +1,65 @@
+"""KernelKey -> LaunchConfig, from the committed tuning table of the GPU family.
+
+Tables live in runtime/tuning/<family>.toml and are written by `make tune` on a GPU.
+A key with no entry gets the family's heuristic default: no sweep ever runs at call time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+
+import tomllib
+
+from lik.runtime.keys import KernelKey
+
+# Shared memory per block a kernel may claim, by family (bytes). Bigger pipelines are
+# cut down to fit rather than failing to launch.
+SMEM_LIMIT = {"hopper": 227 * 1024, "blackwell": 227 * 1024, "ampere": 163 * 1024, "ada": 99 * 1024}
+DEFAULT_SMEM_LIMIT = 99 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    block_q: int
+    block_l: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    interpret: bool = False
+
+
+@functools.cache
+def load_table(family: str) -> dict[str, dict[str, int]]:
+    """The committed table for a family ({} if none): table_key -> config fields."""
+    resource = importlib.resources.files("lik.runtime") / "tuning" / f"{family}.toml"
+    if not resource.is_file():
+        return {}
+    return tomllib.loads(resource.read_text()).get("configs", {})
+
+
+def default_config(key: KernelKey) -> dict[str, int]:
+    if key.family == "interpreter":
+        # The interpreter runs whole tiles in numpy: fewer, larger steps are faster.
+        return {"block_l": 32, "num_warps": 4, "num_stages": 1}
+    block_l = 64 if key.head_dim <= 128 else 32
+    num_warps = 4 if key.lq <= 32 else 8
+    return {"block_l": block_l, "num_warps": num_warps, "num_stages": 3}
+
+
+def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
+    """The launch config for a key; smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, stages) caps stages."""
+    entry = load_table(key.family).get(key.table_key()) or default_config(key)
+    stages = entry["num_stages"]
+    limit = SMEM_LIMIT.get(key.family, DEFAULT_SMEM_LIMIT)
+    while stages > 1 and smem_bytes(key.lq, entry["block_l"], key.head_dim, stages) > limit:
+        stages -= 1
+    return LaunchConfig(
+        block_q=key.lq,
+        block_l=entry["block_l"],
+        block_k=key.head_dim,
+        num_warps=entry["num_warps"],
+        num_stages=stages,
+        interpret=key.family == "interpreter",
+    )

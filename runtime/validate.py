@@ -1,0 +1,73 @@
+"""Input checks shared by every public entry. Errors name the argument, what was expected
+and what was given; nothing is truncated or cast silently."""
+
+from __future__ import annotations
+
+import torch
+
+from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES
+
+BACKWARD_CHOICES = (None, "auto", "unified", "lowmem")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def tensor(name: str, value: object, ranks: tuple[int, ...], layout_doc: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout_doc}, got {type(value).__name__}")
+    if value.dim() not in ranks:
+        raise ValueError(
+            f"{name} must be {layout_doc}, got {value.dim()} dims ({_describe(value)})"
+        )
+    if value.dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
+    return value
+
+
+def same_dtype_and_device(Q: torch.Tensor, D: torch.Tensor) -> None:
+    if Q.device != D.device:
+        raise ValueError(f"Q and D must be on one device: Q is on {Q.device}, D on {D.device}")
+    if Q.dtype != D.dtype:
+        raise TypeError(
+            f"Q and D must share a dtype: Q is {Q.dtype}, D is {D.dtype} "
+            f"(cast one, e.g. Q.to({D.dtype}))"
+        )
+
+
+def head_dims(Q: torch.Tensor, D: torch.Tensor) -> None:
+    if Q.shape[-1] != D.shape[-1]:
+        raise ValueError(
+            f"Q and D must share the head dim (last axis): Q has {Q.shape[-1]} "
+            f"({_describe(Q)}), D has {D.shape[-1]} ({_describe(D)})"
+        )
+    if Q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {Q.shape[-1]} exceeds the largest supported, {MAX_HEAD_DIM}")
+
+
+def mask(
+    name: str, value: object, expected: tuple[int, ...], device: torch.device, layout_doc: str
+) -> torch.Tensor | None:
+    """A bool (or integer, nonzero = valid) mask of exactly the expected shape, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a bool tensor {layout_doc}, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        raise TypeError(f"{name} must be bool (True = valid token) {layout_doc}, got {value.dtype}")
+    if tuple(value.shape) != expected:
+        raise ValueError(
+            f"{name} must have shape {expected} {layout_doc}, got {tuple(value.shape)}"
+        )
+    if value.device != device:
+        raise ValueError(f"{name} must be on {device} like Q and D, got {value.device}")
+    return value
+
+
+def backward_choice(backward: object) -> None:
+    if backward not in BACKWARD_CHOICES:
+        raise ValueError(
+            f"backward must be one of None, 'auto', 'unified', 'lowmem', got {backward!r}"
+        )
