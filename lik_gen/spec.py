@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import tomllib
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-import tomllib
 
 from lik_gen.ir import (
     AXES,

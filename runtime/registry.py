@@ -34,15 +34,19 @@ def names() -> list[str]:
     return sorted(manifest())
 
 
-def _verify(name: str, path: str) -> None:
-    text = (importlib.resources.files("lik.generated") / path).read_text()
+def verify_text(name: str, path: str, text: str) -> None:
+    """Raises GeneratedFileError unless the body still hashes to its header's value."""
     match = _HASH_LINE.search(text)
-    body = text[match.end() :] if match else None
-    if body is None or hashlib.sha256(body.encode()).hexdigest() != match.group(1):
+    body = text[match.end() :] if match else ""
+    if match is None or hashlib.sha256(body.encode()).hexdigest() != match.group(1):
         raise GeneratedFileError(
             f"generated/{path} (variant {name}) does not match the hash in its header: it was "
             "edited by hand. Generated files are never edited; run `make generate`."
         )
+
+
+def _verify(name: str, path: str) -> None:
+    verify_text(name, path, (importlib.resources.files("lik.generated") / path).read_text())
 
 
 def load(name: str) -> ModuleType:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
-
 import tomllib
 
 from lik.runtime.keys import KernelKey

@@ -1,0 +1,458 @@
+"""Forward (inference) MaxSim: lik against the peers, eager PyTorch and torch.compile.
+
+For each of PERF.md's inference shapes: check every implementation against a float64
+reference, then time it (median), and report it against the roofline floor measured in
+the same run. A baseline that is missing or fails is recorded with its error.
+
+    python3 benchmarks/bench_forward.py --out DIR [--shapes a,b] [--quick]
+    python3 benchmarks/bench_forward.py --dry-run     # CPU, tiny shapes, no Triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from common import (
+    Shape,
+    attempt,
+    bench_ms,
+    cpu_wallclock_ms,
+    environment_info,
+    first_call_seconds,
+    format_ms,
+    format_ratio,
+    gpu_tag,
+    make_input_sets,
+    markdown_table,
+    measure_ceilings,
+    peak_extra_memory_mib,
+    percent_of_roofline,
+    relative_error,
+    release_cached_memory,
+    roofline_floor,
+    rotating,
+    rotation_count,
+    write_json,
+    write_speedup_plot,
+)
+
+SHAPES = [
+    Shape("colbert-rerank", 1, 1000, 32, 300, 128),
+    Shape("text-long", 1, 1000, 32, 1024, 128),
+    Shape("colpali-rerank", 1, 1000, 128, 1024, 128),
+    Shape("colpali-compute", 1, 500, 1024, 1024, 128),
+    Shape("lateon-edge", 1, 1000, 32, 1024, 48),
+    Shape("inbatch-256", 256, 256, 32, 300, 128),
+    Shape("longdoc", 16, 32, 32, 8192, 128),
+    Shape("corpus-100k", 16, 100000, 32, 128, 128),
+]
+
+PEER_DISTRIBUTIONS = {"late-interaction-kernels": "0.4.5", "flash-maxsim": "0.3.0"}
+
+# bf16 inputs with fp32 accumulation land near 1e-3; a wrong kernel lands far above.
+PARITY_TOLERANCE = 1e-2
+# Parity compares these queries and docs of the full-shape output with the reference;
+# the last docs are included because offset overflows show up at high indices.
+PARITY_QUERIES = 2
+PARITY_DOCS_EACH_END = 32
+
+TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
+
+
+# ---------------------------------------------------------------------------------------
+# Implementations: each builder returns scores(Q, D) -> fp32 [Nq, Nd]. Imports are lazy
+# so a missing package becomes a recorded error, not a crash.
+
+
+def eager_scores(q: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """The plain PyTorch formulation, in the inputs' dtype: einsum, max over doc
+    tokens, sum over query tokens (accumulated and returned in fp32)."""
+    similarities = torch.einsum("qsd,ntd->qnst", q, docs)
+    return similarities.amax(dim=-1).sum(dim=-1, dtype=torch.float32)
+
+
+def build_lik() -> Callable:
+    from lik.runtime import maxsim
+
+    return lambda q, docs: maxsim(q, docs)
+
+
+def build_late_interaction_kernels() -> Callable:
+    from late_interaction_kernels import maxsim
+
+    # Inputs are already unit-norm, so no implementation normalizes (normalize=False).
+    return lambda q, docs: maxsim(q, docs)
+
+
+def build_flash_maxsim() -> Callable:
+    from flash_maxsim import flash_maxsim_batched
+
+    return lambda q, docs: flash_maxsim_batched(q, docs)
+
+
+def build_eager() -> Callable:
+    return eager_scores
+
+
+def build_torch_compile() -> Callable:
+    # A fresh compile per shape: static shapes, and no recompile limit to run into.
+    torch._dynamo.reset()
+    return torch.compile(eager_scores, dynamic=False)
+
+
+IMPLEMENTATIONS = {
+    "lik": ("lik", build_lik),
+    "late_interaction_kernels": ("LIK 0.4.5", build_late_interaction_kernels),
+    "flash_maxsim": ("flash 0.3.0", build_flash_maxsim),
+    "eager": ("eager", build_eager),
+    "torch_compile": ("compile", build_torch_compile),
+}
+PEERS = ("late_interaction_kernels", "flash_maxsim")
+# Without a GPU only the pure-PyTorch paths (and lik's CPU path, if present) can run.
+DRY_RUN_IMPLEMENTATIONS = ("lik", "eager")
+
+
+# ---------------------------------------------------------------------------------------
+# Reference
+
+
+def reference_scores(q: torch.Tensor, docs: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """float64 scores from lik's reference, or from the eager formula where lik is
+    not importable (the dry run may precede lik's runtime)."""
+    q64, docs64 = q.double(), docs.double()
+    try:
+        from lik.runtime.reference import maxsim_reference
+    except ImportError:
+        return eager_scores(q64, docs64).double(), "float64 einsum"
+    return maxsim_reference(q64, docs64).double(), "lik.runtime.reference (float64)"
+
+
+def parity_indices(shape: Shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    queries = torch.arange(min(PARITY_QUERIES, shape.nq), device=device)
+    if shape.nd <= 2 * PARITY_DOCS_EACH_END:
+        docs = torch.arange(shape.nd, device=device)
+    else:
+        head = torch.arange(PARITY_DOCS_EACH_END, device=device)
+        docs = torch.cat([head, head + shape.nd - PARITY_DOCS_EACH_END])
+    return queries, docs
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring one shape
+
+
+def empty_result(error: str | None) -> dict:
+    return {
+        "ms": None,
+        "pct_roofline": None,
+        "peak_mib": None,
+        "first_call_s": None,
+        "parity_rel_err": None,
+        "parity_ok": None,
+        "error": error,
+    }
+
+
+def check_parity(scores: Callable, q, docs, reference, indices) -> dict:
+    """Runs the full-shape call once (its first call) and compares a slice."""
+    out, seconds = first_call_seconds(lambda: scores(q, docs))
+    queries, doc_ids = indices
+    error = relative_error(out.index_select(0, queries).index_select(1, doc_ids), reference)
+    return {
+        "first_call_s": seconds,
+        "parity_rel_err": error,
+        "parity_ok": error <= PARITY_TOLERANCE,
+    }
+
+
+def time_implementation(scores: Callable, input_sets, args) -> dict:
+    if args.dry_run:
+        return {"ms": cpu_wallclock_ms(rotating(scores, input_sets)), "peak_mib": None}
+    timing = TIMING["quick" if args.quick else "full"]
+    ms = bench_ms(rotating(scores, input_sets), **timing)
+    q, docs = input_sets[0]
+    return {"ms": ms, "peak_mib": peak_extra_memory_mib(lambda: scores(q, docs))}
+
+
+def measure_implementation(key: str, input_sets, reference, indices, floor_ms, args) -> dict:
+    if args.dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
+        return empty_result("skipped in dry run")
+    scores, error = attempt(IMPLEMENTATIONS[key][1])
+    if error:
+        return empty_result(error)
+    q, docs = input_sets[0]
+    result = empty_result(None)
+    parity, error = attempt(lambda: check_parity(scores, q, docs, reference, indices))
+    if error:
+        result["error"] = error
+        return result
+    result.update(parity)
+    timing, error = attempt(lambda: time_implementation(scores, input_sets, args))
+    if error:
+        result["error"] = error
+        return result
+    result.update(timing)
+    result["pct_roofline"] = percent_of_roofline(floor_ms, result["ms"])
+    return result
+
+
+def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
+    sets_count = 1 if args.dry_run else rotation_count(shape.input_bytes())
+    input_sets = make_input_sets(shape, device, sets_count)
+    indices = parity_indices(shape, device)
+    q, docs = input_sets[0]
+    reference, reference_name = reference_scores(
+        q.index_select(0, indices[0]), docs.index_select(0, indices[1])
+    )
+    floor = roofline_floor(shape, ceilings)
+    record = {
+        **shape.as_dict(),
+        "input_mb": shape.input_bytes() / 1e6,
+        "flops": shape.flops,
+        "bytes": shape.bytes_moved(),
+        "rotation_sets": sets_count,
+        "reference": reference_name,
+        **floor,
+        "results": {},
+    }
+    for key in keys:
+        print(f"  {IMPLEMENTATIONS[key][0]} ...", flush=True)
+        result = measure_implementation(
+            key, input_sets, reference, indices, floor["floor_ms"], args
+        )
+        record["results"][key] = result
+        print(f"    {describe_result(result)}", flush=True)
+    del input_sets, q, docs, reference
+    release_cached_memory()
+    return record
+
+
+def describe_result(result: dict) -> str:
+    if result["ms"] is None:
+        return f"no timing: {result['error']}"
+    parity = "ok" if result["parity_ok"] else "FAILED"
+    return f"{format_ms(result['ms'])} ms, parity {parity} ({result['parity_rel_err']:.2e})"
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+
+
+def speedup(record: dict, baseline: str) -> float | None:
+    lik_ms = record["results"].get("lik", {}).get("ms")
+    other_ms = record["results"].get(baseline, {}).get("ms")
+    if not lik_ms or not other_ms:
+        return None
+    return other_ms / lik_ms
+
+
+def timing_table(report: dict) -> str:
+    keys = report["implementations"]
+    headers = [
+        "shape (Nq, Nd, Lq, Ld, d)",
+        "floor",
+        *(IMPLEMENTATIONS[k][0] for k in keys),
+        "lik % roofline",
+        *(f"lik vs {IMPLEMENTATIONS[p][0]}" for p in PEERS),
+    ]
+    rows = []
+    for record in report["shapes"]:
+        results = record["results"]
+        lik_pct = results.get("lik", {}).get("pct_roofline")
+        rows.append(
+            [
+                f"{record['name']} {record['Nq']}, {record['Nd']}, {record['Lq']}, "
+                f"{record['Ld']}, {record['d']}",
+                format_ms(record["floor_ms"]),
+                *(format_ms(results.get(k, {}).get("ms")) for k in keys),
+                format_ratio(lik_pct, "%"),
+                *(format_ratio(speedup(record, p)) for p in PEERS),
+            ]
+        )
+    return markdown_table(headers, rows)
+
+
+def parity_cell(result: dict) -> str:
+    if result.get("parity_rel_err") is None:
+        return "—"
+    mark = "" if result["parity_ok"] else " FAIL"
+    return f"{result['parity_rel_err']:.1e}{mark}"
+
+
+def parity_table(report: dict) -> str:
+    keys = report["implementations"]
+    headers = ["shape", *(IMPLEMENTATIONS[k][0] for k in keys)]
+    rows = [
+        [record["name"], *(parity_cell(record["results"].get(k, {})) for k in keys)]
+        for record in report["shapes"]
+    ]
+    return markdown_table(headers, rows)
+
+
+def error_lines(report: dict) -> list[str]:
+    """One line per (implementation, error), naming the shapes it hit."""
+    shapes_by_error: dict[tuple[str, str], list[str]] = {}
+    for record in report["shapes"]:
+        for key, result in record["results"].items():
+            if result.get("error"):
+                shapes_by_error.setdefault((key, result["error"]), []).append(record["name"])
+    return [
+        f"- {IMPLEMENTATIONS[key][0]} ({', '.join(names)}): {error}"
+        for (key, error), names in shapes_by_error.items()
+    ]
+
+
+def markdown_report(report: dict) -> str:
+    env, ceilings = report["env"], report["ceilings"]
+    timing = report["timing"]
+    parts = [
+        f"# Forward MaxSim on {env['gpu']}",
+        "",
+        f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
+        f"triton {env['triton']}; "
+        + ", ".join(f"{name} {ver or 'not installed'}" for name, ver in env["packages"].items())
+        + ".",
+        "",
+    ]
+    mismatched = [
+        f"{name} {env['packages'].get(name)} (expected {expected})"
+        for name, expected in PEER_DISTRIBUTIONS.items()
+        if env["packages"].get(name) not in (None, expected)
+    ]
+    if mismatched:
+        parts += ["Peer versions differ from PERF.md's: " + ", ".join(mismatched) + ".", ""]
+    if ceilings:
+        parts += [
+            f"Measured ceilings: copy {ceilings['copy_tbps']:.2f} TB/s (read + write), "
+            f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s.",
+            "",
+        ]
+    parts += [
+        f"Median ms ({timing['timer']}, warm-up {timing['warmup_ms']} ms, "
+        f"rep {timing['rep_ms']} ms); L2-normalized random bf16 inputs, rotated "
+        "when they fit in L2. Speedup = baseline ms / lik ms.",
+        "",
+        timing_table(report),
+        "",
+        f"## Parity (relative error vs {PARITY_TOLERANCE:g} tolerance; "
+        "first queries, first and last docs; float64 reference)",
+        "",
+        parity_table(report),
+        "",
+    ]
+    errors = error_lines(report)
+    if errors:
+        parts += ["## Errors", "", *errors, ""]
+    return "\n".join(parts)
+
+
+def write_report(report: dict, out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / f"{stem}.json", report)
+    (out_dir / f"{stem}.md").write_text(markdown_report(report))
+    names = [record["name"] for record in report["shapes"]]
+    series = {
+        f"vs {IMPLEMENTATIONS[p][0]}": [speedup(r, p) for r in report["shapes"]]
+        for p in PEERS
+        if p in report["implementations"]
+    }
+    title = f"lik forward speedup, {report['env']['gpu']}"
+    if not write_speedup_plot(out_dir / f"{stem}.png", names, series, title):
+        print("matplotlib is not installed: no plot written", flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results)")
+    parser.add_argument("--shapes", help="comma-separated shape names (default: all)")
+    parser.add_argument(
+        "--impls",
+        help="comma-separated implementations (default: all): " + ",".join(IMPLEMENTATIONS),
+    )
+    parser.add_argument("--quick", action="store_true", help="shorter warm-up and timing")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU only, tiny shapes, no Triton, peers or do_bench"
+    )
+    return parser.parse_args(argv)
+
+
+def pick(names: str | None, available: list[str], what: str) -> list[str]:
+    if not names:
+        return available
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        sys.exit(f"unknown {what}: {', '.join(unknown)}; choose from {', '.join(available)}")
+    return chosen
+
+
+def tiny(shape: Shape) -> Shape:
+    """A CPU-sized stand-in that keeps the shape's name and embedding dim."""
+    return Shape(
+        shape.name,
+        min(shape.nq, 2),
+        min(shape.nd, 80),
+        min(shape.lq, 8),
+        min(shape.ld, 16),
+        shape.d,
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    by_name = {shape.name: shape for shape in SHAPES}
+    shapes = [by_name[name] for name in pick(args.shapes, list(by_name), "shape")]
+    keys = pick(args.impls, list(IMPLEMENTATIONS), "implementation")
+    if args.dry_run:
+        device, shapes, ceilings = "cpu", [tiny(shape) for shape in shapes], None
+        out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-forward-"))
+        timer, timing = "CPU wall clock, dry run", {"warmup_ms": 0, "rep_ms": 0}
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device; --dry-run exercises this script on a CPU")
+        device = "cuda"
+        out_dir = args.out or Path(__file__).resolve().parent / "results"
+        timer, timing = "triton do_bench", TIMING["quick" if args.quick else "full"]
+        print("measuring ceilings ...", flush=True)
+        ceilings = measure_ceilings(device, **timing)
+        print(
+            f"  copy {ceilings['copy_tbps']:.2f} TB/s, "
+            f"matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
+            flush=True,
+        )
+
+    env = environment_info(["lik", *PEER_DISTRIBUTIONS])
+    stem = f"forward_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    report = {
+        "suite": "forward",
+        "env": env,
+        "expected_peer_versions": PEER_DISTRIBUTIONS,
+        "ceilings": ceilings,
+        "timing": {"timer": timer, **timing},
+        "parity_tolerance": PARITY_TOLERANCE,
+        "implementations": keys,
+        "labels": {key: IMPLEMENTATIONS[key][0] for key in keys},
+        "shapes": [],
+    }
+    for shape in shapes:
+        print(f"[{shape.name}] {shape.dims}", flush=True)
+        report["shapes"].append(measure_shape(shape, keys, ceilings, device, args))
+        write_report(report, out_dir, stem)  # after every shape, so a cut-off run keeps data
+
+    print()
+    print(timing_table(report))
+    print(f"\nwrote {out_dir / stem}.json, .md, .png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

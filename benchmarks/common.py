@@ -1,0 +1,370 @@
+"""Measuring and reporting helpers shared by lik's benchmarks.
+
+The method (median timing, input rotation, measured ceilings, roofline floor) is the
+one PERF.md lays down; every number a run reports comes from the same process and card.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Inputs under this size can stay resident in L2 (50-60 MB on H100/H200) between calls.
+L2_RESIDENT_BYTES = 60e6
+# Rotate enough input sets that one full cycle overflows L2 several times over.
+ROTATION_FOOTPRINT_BYTES = 256e6
+MAX_ROTATION_SETS = 16
+
+COPY_CEILING_BYTES = 1 << 30
+MATMUL_CEILING_N = 8192
+
+# Random generation runs in fp32 blocks of at most this many elements (256 MB scratch).
+GENERATION_BLOCK_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MaxSim problem: Nq queries of Lq tokens against Nd docs of Ld tokens, dim d."""
+
+    name: str
+    nq: int
+    nd: int
+    lq: int
+    ld: int
+    d: int
+
+    @property
+    def dims(self) -> str:
+        return f"{self.nq}, {self.nd}, {self.lq}, {self.ld}, {self.d}"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.nq * self.nd * self.lq * self.ld * self.d
+
+    def input_bytes(self, element_size: int = 2) -> int:
+        return (self.nq * self.lq + self.nd * self.ld) * self.d * element_size
+
+    def bytes_moved(self, element_size: int = 2) -> int:
+        """D and Q read once, fp32 scores written once."""
+        return self.input_bytes(element_size) + self.nq * self.nd * 4
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "Nq": self.nq,
+            "Nd": self.nd,
+            "Lq": self.lq,
+            "Ld": self.ld,
+            "d": self.d,
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs
+
+
+def normalized_tokens(
+    rows: int, length: int, dim: int, *, device, seed: int, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Random L2-normalized token embeddings [rows, length, dim], generated in blocks
+    so a multi-GB corpus never needs a full-size fp32 copy."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = torch.empty(rows, length, dim, device=device, dtype=dtype)
+    rows_per_block = max(1, GENERATION_BLOCK_ELEMENTS // (length * dim))
+    for start in range(0, rows, rows_per_block):
+        stop = min(rows, start + rows_per_block)
+        block = torch.randn(stop - start, length, dim, device=device, generator=generator)
+        out[start:stop] = torch.nn.functional.normalize(block, dim=-1)
+    return out
+
+
+def rotation_count(input_bytes: int) -> int:
+    """How many distinct input sets a timed loop cycles through."""
+    if input_bytes >= L2_RESIDENT_BYTES:
+        return 1
+    return min(MAX_ROTATION_SETS, math.ceil(ROTATION_FOOTPRINT_BYTES / input_bytes))
+
+
+def make_input_sets(shape: Shape, device, count: int, *, seed: int = 0):
+    """`count` independent (Q, D) pairs for `shape`, bf16 and unit-norm per token."""
+    sets = []
+    for index in range(count):
+        base = seed + 2 * index
+        q = normalized_tokens(shape.nq, shape.lq, shape.d, device=device, seed=base)
+        docs = normalized_tokens(shape.nd, shape.ld, shape.d, device=device, seed=base + 1)
+        sets.append((q, docs))
+    return sets
+
+
+def rotating(call: Callable, input_sets: Sequence[tuple]) -> Callable[[], object]:
+    """A no-argument callable that feeds the next input set to `call` each time, so a
+    timed loop never re-reads inputs that are still cached from the previous call
+    (do_bench also overwrites L2 between timed calls, but not during its warm-up)."""
+    cycle = itertools.cycle(input_sets)
+    return lambda: call(*next(cycle))
+
+
+# ---------------------------------------------------------------------------------------
+# Timing and ceilings
+
+
+def bench_ms(fn: Callable[[], object], *, warmup_ms: int, rep_ms: int) -> float:
+    """Median milliseconds of `fn` on the GPU."""
+    from triton.testing import do_bench  # GPU runs only; a dry run never imports Triton
+
+    # First call outside the timing: JIT compilation and autotuning are not steady state.
+    fn()
+    torch.cuda.synchronize()
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def cpu_wallclock_ms(fn: Callable[[], object], *, repeats: int = 5) -> float:
+    """Median wall-clock milliseconds; only for exercising the plumbing without a GPU."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def first_call_seconds(fn: Callable[[], object]):
+    """Runs `fn` once and returns (result, seconds), synchronizing when on a GPU."""
+    start = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start
+
+
+def copy_bandwidth_tbps(device, *, warmup_ms: int, rep_ms: int) -> float:
+    """Device-to-device copy rate of a 1 GiB buffer, counting bytes read plus written."""
+    src = torch.empty(COPY_CEILING_BYTES, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return 2 * COPY_CEILING_BYTES / (ms * 1e-3) / 1e12
+
+
+def matmul_tflops(device, *, warmup_ms: int, rep_ms: int) -> float:
+    """bf16 tensor-core rate of an 8192^3 matmul on random data."""
+    n = MATMUL_CEILING_N
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: torch.mm(a, b, out=c), warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def measure_ceilings(device, *, warmup_ms: int, rep_ms: int) -> dict:
+    ceilings = {
+        "copy_tbps": copy_bandwidth_tbps(device, warmup_ms=warmup_ms, rep_ms=rep_ms),
+        "matmul_tflops": matmul_tflops(device, warmup_ms=warmup_ms, rep_ms=rep_ms),
+    }
+    torch.cuda.empty_cache()
+    return ceilings
+
+
+def roofline_floor(shape: Shape, ceilings: dict | None) -> dict:
+    """Lower bound on time from the measured ceilings, and which one binds."""
+    if not ceilings:
+        return {"floor_ms": None, "bound": None}
+    compute_ms = shape.flops / (ceilings["matmul_tflops"] * 1e12) * 1e3
+    memory_ms = shape.bytes_moved() / (ceilings["copy_tbps"] * 1e12) * 1e3
+    bound = "compute" if compute_ms >= memory_ms else "memory"
+    return {"floor_ms": max(compute_ms, memory_ms), "bound": bound}
+
+
+def percent_of_roofline(floor_ms: float | None, ms: float | None) -> float | None:
+    if floor_ms is None or not ms:
+        return None
+    return 100.0 * floor_ms / ms
+
+
+def peak_extra_memory_mib(fn: Callable[[], object]) -> float:
+    """Peak GPU memory allocated while `fn` runs, above what was allocated before
+    (the inputs), output included."""
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - baseline
+    del result
+    return peak / 2**20
+
+
+# ---------------------------------------------------------------------------------------
+# Correctness and failures
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, computed in float64."""
+    ref = ref.double()
+    diff = out.double().to(ref.device) - ref
+    return float(diff.norm() / ref.norm().clamp_min(1e-300))
+
+
+def describe_error(exc: BaseException, limit: int = 400) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first_lines = " | ".join(text.splitlines()[:4])
+    return first_lines[:limit]
+
+
+def attempt(fn: Callable[[], object]):
+    """Runs `fn`, returning (value, None) or (None, error string), so that one failing
+    implementation is recorded instead of ending the run."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - any failure of a baseline is data
+        release_cached_memory()
+        return None, describe_error(exc)
+
+
+def release_cached_memory() -> None:
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a broken context reports itself on the next call
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# Environment
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def gpu_tag(name: str) -> str:
+    """Short card name for file names: 'NVIDIA H100 80GB HBM3' -> 'H100'."""
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Za-z]?)\b", name)
+    if match:
+        return match.group(1)
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "unknown"
+
+
+def package_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
+
+
+def git_commit() -> str | None:
+    """The checked-out commit (with '+dirty' for local changes), when git can tell."""
+    try:
+        commit = _git("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if _git("status", "--porcelain") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment_info(distributions: Sequence[str] = ()) -> dict:
+    info = {
+        "gpu": gpu_name(),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": package_version("triton"),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    info["packages"] = {name: package_version(name) for name in distributions}
+    return info
+
+
+# ---------------------------------------------------------------------------------------
+# Writers
+
+
+def _finite_or_none(value):
+    """JSON has no NaN/inf; write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(item) for item in value]
+    return value
+
+
+def write_json(path: Path, payload: dict) -> None:
+    text = json.dumps(_finite_or_none(payload), indent=2, default=str)
+    path.write_text(text + "\n")
+
+
+def format_ms(ms: float | None) -> str:
+    if ms is None:
+        return "—"
+    return f"{ms:.2f}" if ms >= 10 else f"{ms:.3f}"
+
+
+def format_ratio(ratio: float | None, suffix: str = "x") -> str:
+    return "—" if ratio is None else f"{ratio:.2f}{suffix}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_speedup_plot(
+    path: Path, categories: Sequence[str], series: dict[str, Sequence[float | None]], title: str
+) -> bool:
+    """Grouped bars of lik's speedup over each baseline per shape, on a linear axis with
+    a line at 1.0 (above it lik is faster). Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on benchmark machines
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(categories)), 4.5))
+    for index, (label, values) in enumerate(series.items()):
+        positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(categories))]
+        heights = [math.nan if v is None else v for v in values]
+        bars = ax.bar(positions, heights, width, label=label)
+        ax.bar_label(
+            bars, labels=["" if v is None else f"{v:.2f}" for v in values], fontsize=7, padding=2
+        )
+    ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    ax.set_xticks(range(len(categories)))
+    ax.set_xticklabels(categories, rotation=30, ha="right")
+    ax.set_ylabel("speedup of lik (baseline ms / lik ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    if not any(v is not None for values in series.values() for v in values):
+        ax.text(
+            0.5, 0.5, "no lik timings in this run", transform=ax.transAxes, ha="center", va="center"
+        )
+    if series:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

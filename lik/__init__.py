@@ -1,0 +1,16 @@
+"""lik: generated kernels for late-interaction (MaxSim) scoring.
+
+The public API lives in ``lik.runtime``; the names most callers need are re-exported here.
+Importing ``lik`` does not import Triton: kernels are loaded on first use.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from lik.runtime import describe_backend, maxsim, maxsim_pairs
+
+try:
+    __version__ = version("lik")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "describe_backend", "maxsim", "maxsim_pairs"]

@@ -1,0 +1,44 @@
+"""Shared test tools: the float64 comparison, tolerances, poisoned outputs, random inputs."""
+
+from __future__ import annotations
+
+import torch
+
+# ||out - ref|| / ||ref|| bounds from DESIGN.md. Under the interpreter every dot is an
+# fp32 "ieee" dot, so fp32 is held to the tight bound there.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+INTERPRETER_FP32_TOLERANCE = 1e-5
+POISON = float("nan")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    if ref.numel() == 0:
+        return 0.0
+    scale = ref.norm().item()
+    return (out - ref).norm().item() / (scale if scale > 0 else 1.0)
+
+
+def assert_close_to_reference(out, ref, dtype, *, interpreter: bool, what: str = "") -> None:
+    assert out.dtype == torch.float32, f"{what}: scores must be fp32, got {out.dtype}"
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten poison?)"
+    bound = (
+        INTERPRETER_FP32_TOLERANCE if interpreter and dtype == torch.float32 else TOLERANCE[dtype]
+    )
+    err = relative_error(out, ref)
+    assert err < bound, f"{what}: relative error {err:.3g} >= {bound:g}"
+
+
+def random_inputs(shape_q, shape_d, dtype, device="cpu", *, generator=None):
+    Q = torch.randn(shape_q, generator=generator).to(device=device, dtype=dtype)
+    D = torch.randn(shape_d, generator=generator).to(device=device, dtype=dtype)
+    return Q, D
+
+
+def random_mask(shape, p_valid=0.7, device="cpu", *, generator=None):
+    return (torch.rand(shape, generator=generator) < p_valid).to(device)
+
+
+def poisoned(shape, device="cpu"):
+    return torch.full(shape, POISON, dtype=torch.float32, device=device)

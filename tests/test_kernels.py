@@ -1,0 +1,179 @@
+"""Every generated forward variant against the float64 reference.
+
+Without a GPU these run under the Triton interpreter (conftest sets TRITON_INTERPRET=1);
+with one, the same tests run the compiled kernels. Outputs are poisoned with NaN before
+each launch, so an element the kernel failed to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close_to_reference, poisoned, random_mask
+
+from lik.runtime import dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+from lik_gen.ir import Variant
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER = DEVICE == "cpu"
+TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+pytestmark = pytest.mark.skipif(
+    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+)
+
+
+def _case(variant: Variant, Nq, Nd, Lq, Ld, dim, generator, p_valid=0.7):
+    """Inputs, masks, output shape and float64 reference for one variant's layout."""
+    dtype = TORCH_DTYPE[variant.dtype.value]
+    layout = variant.layout.value
+    d_shape = {"dense": (Nd, Ld), "kd": (Nq, Nd, Ld), "pairs": (Nq, Ld)}[layout]
+    Q = torch.randn(Nq, Lq, dim, generator=generator).to(DEVICE, dtype)
+    D = torch.randn(*d_shape, dim, generator=generator).to(DEVICE, dtype)
+    q_mask = (
+        random_mask((Nq, Lq), p_valid, DEVICE, generator=generator) if variant.mask.has_q else None
+    )
+    d_mask = (
+        random_mask(d_shape, p_valid, DEVICE, generator=generator) if variant.mask.has_d else None
+    )
+    reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+    ref = reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
+    out_shape = {"dense": (Nq, Nd), "kd": (Nq, Nd), "pairs": (Nq,)}[layout]
+    return Q, D, q_mask, d_mask, out_shape, ref
+
+
+def _run(variant: Variant, Q, D, q_mask, d_mask, out_shape):
+    out = poisoned(out_shape, DEVICE)
+    return dispatch.forward(variant.layout.value, Q, D, q_mask, d_mask, variant.normalize, out)
+
+
+@pytest.mark.parametrize("name", registry.names())
+def test_variant_matches_reference(name):
+    variant = Variant.parse(name)
+    generator = torch.Generator().manual_seed(hash(name) % 2**31)
+    # Odd sizes: Ld spans a partial second doc tile, d is not a power of two.
+    Q, D, q_mask, d_mask, shape, ref = _case(variant, 3, 5, 7, 37, 48, generator)
+    out = _run(variant, Q, D, q_mask, d_mask, shape)
+    assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
+
+
+EDGE_SHAPES = {
+    "Lq=1": (2, 3, 1, 19, 48),
+    "Ld=1": (2, 3, 5, 1, 48),
+    "d=96": (2, 3, 9, 21, 96),
+    "d=128 pretty": (2, 4, 16, 64, 128),
+    "Nd=1": (2, 1, 6, 11, 48),
+    "Nq=1": (1, 3, 6, 11, 32),
+    "d=8": (2, 3, 4, 9, 8),
+}
+EDGE_VARIANTS = [
+    "maxsim_dense_qdmask_bf16_triton_norm",
+    "maxsim_kd_dmask_fp32_triton",
+    "maxsim_pairs_qmask_fp16_triton_norm",
+]
+
+
+@pytest.mark.parametrize("name", EDGE_VARIANTS)
+@pytest.mark.parametrize("shape", list(EDGE_SHAPES), ids=list(EDGE_SHAPES))
+def test_edge_shapes(name, shape):
+    variant = Variant.parse(name)
+    generator = torch.Generator().manual_seed(7)
+    Q, D, q_mask, d_mask, out_shape, ref = _case(variant, *EDGE_SHAPES[shape], generator)
+    out = _run(variant, Q, D, q_mask, d_mask, out_shape)
+    assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=f"{name} {shape}")
+
+
+@pytest.mark.parametrize("name", EDGE_VARIANTS)
+def test_fully_masked_docs_score_zero(name):
+    variant = Variant.parse(name)
+    generator = torch.Generator().manual_seed(3)
+    Q, D, q_mask, d_mask, out_shape, _ = _case(variant, 3, 4, 5, 13, 32, generator)
+    d_mask = torch.zeros(D.shape[:-1], dtype=torch.bool, device=DEVICE)
+    d_mask.view(-1, D.shape[-2])[0] = True  # one doc keeps every token
+    ref = (maxsim_pairs_reference if variant.layout.value == "pairs" else maxsim_reference)(
+        Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize
+    )
+    out = _run(variant, Q, D, q_mask, d_mask, out_shape)
+    has_valid_token = d_mask.any(-1).expand_as(out)  # dense broadcasts docs over queries
+    assert torch.all(out[~has_valid_token] == 0), "fully masked docs must score exactly 0"
+    assert torch.all(out[has_valid_token] != 0)
+    assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
+
+
+def test_all_query_tokens_masked_scores_zero():
+    Q = torch.randn(2, 5, 32, device=DEVICE)
+    D = torch.randn(3, 9, 32, device=DEVICE)
+    q_mask = torch.zeros(2, 5, dtype=torch.bool, device=DEVICE)
+    assert torch.all(maxsim(Q, D, q_mask) == 0)
+
+
+@pytest.mark.parametrize("empty", ["Nq=0", "Nd=0", "Lq=0", "Ld=0", "B=0"])
+def test_empty_batches(empty):
+    sizes = {"Nq": 2, "Nd": 3, "Lq": 4, "Ld": 5}
+    if empty != "B=0":
+        sizes[empty.split("=")[0]] = 0
+    Q = torch.randn(sizes["Nq"], sizes["Lq"], 16, device=DEVICE)
+    D = torch.randn(sizes["Nd"], sizes["Ld"], 16, device=DEVICE)
+    if empty == "B=0":
+        out = maxsim_pairs(Q[:0], D[:0])
+        assert out.shape == (0,)
+        return
+    out = maxsim(Q, D)
+    assert out.shape == (sizes["Nq"], sizes["Nd"])
+    assert torch.all(out == 0)
+
+
+def test_long_queries_are_chunked_exactly():
+    """Lq > 512 splits into 512-token launches whose sums add up to the whole."""
+    generator = torch.Generator().manual_seed(11)
+    Q = torch.randn(2, 520, 16, generator=generator).to(DEVICE)
+    D = torch.randn(2, 9, 16, generator=generator).to(DEVICE)
+    q_mask = random_mask((2, 520), 0.8, DEVICE, generator=generator)
+    ref = maxsim_reference(Q.double(), D.double(), q_mask)
+    out = maxsim(Q, D, q_mask)
+    assert_close_to_reference(out, ref, torch.float32, interpreter=INTERPRETER, what="Lq=520")
+
+
+def test_non_contiguous_inputs():
+    """Strides are kernel arguments: slices and transposed views need no copy."""
+    generator = torch.Generator().manual_seed(5)
+    Q_big = torch.randn(4, 9, 64, generator=generator).to(DEVICE)
+    D_big = torch.randn(21, 6, 64, generator=generator).to(DEVICE)
+    Q = Q_big[::2, 1:8, :48]  # strided rows, offset tokens, narrower head
+    D = D_big.transpose(0, 1)[:, :, :48]  # [6, 21, 48] with permuted strides
+    d_mask = random_mask((21, 6), 0.6, DEVICE, generator=generator).t()
+    assert not Q.is_contiguous() and not D.is_contiguous()
+    ref = maxsim_reference(Q.double(), D.double(), None, d_mask)
+    out = maxsim(Q, D, None, d_mask)
+    assert_close_to_reference(out, ref, torch.float32, interpreter=INTERPRETER, what="strided")
+
+
+def test_integer_masks_match_bool_masks():
+    generator = torch.Generator().manual_seed(9)
+    Q = torch.randn(2, 6, 32, generator=generator).to(DEVICE)
+    D = torch.randn(3, 10, 32, generator=generator).to(DEVICE)
+    q_mask = random_mask((2, 6), 0.6, DEVICE, generator=generator)
+    d_mask = random_mask((3, 10), 0.6, DEVICE, generator=generator)
+    as_bool = maxsim(Q, D, q_mask, d_mask)
+    as_int = maxsim(Q, D, q_mask.int(), d_mask.long())
+    assert torch.equal(as_bool, as_int)
+
+
+def test_single_query_and_single_doc_squeeze():
+    generator = torch.Generator().manual_seed(2)
+    Q = torch.randn(6, 32, generator=generator).to(DEVICE)
+    D = torch.randn(3, 10, 32, generator=generator).to(DEVICE)
+    one_doc = D[1]
+    assert maxsim(Q, D).shape == (3,)
+    assert maxsim(Q[None], one_doc).shape == (1,)
+    assert maxsim(Q, one_doc).shape == ()
+    full = maxsim(Q[None], D)
+    assert torch.allclose(maxsim(Q, one_doc), full[0, 1])
+
+
+def test_forwards_are_bitwise_reproducible():
+    generator = torch.Generator().manual_seed(4)
+    Q = torch.randn(3, 7, 48, generator=generator).to(DEVICE, torch.bfloat16)
+    D = torch.randn(5, 30, 48, generator=generator).to(DEVICE, torch.bfloat16)
+    first = maxsim(Q, D, normalize=True)
+    assert torch.equal(first, maxsim(Q, D, normalize=True))

@@ -1,0 +1,160 @@
+"""Packaging: the dev env's editable install, the console script, and a built wheel.
+
+runtime/ and generated/ sit at the top of the checkout but import as lik.runtime and
+lik.generated (package-dir mapping in pyproject.toml); these tests make sure both the
+editable install and a wheel honour that mapping and ship the generated kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _run(args, cwd, **kw):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, **kw)
+
+
+def test_imports():
+    import lik
+    import lik.runtime
+    from lik.runtime import maxsim, maxsim_pairs
+
+    assert lik.maxsim is maxsim and lik.maxsim_pairs is maxsim_pairs
+    assert callable(lik.describe_backend)
+    assert isinstance(lik.__version__, str)
+
+
+def test_import_does_not_load_triton(tmp_path):
+    # Triton is optional (the `triton` extra) and slow to import: kernels load on first use.
+    code = "import sys, lik; assert 'triton' not in sys.modules, 'import lik imported triton'"
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [[str(BIN / "lik-gen"), "--help"], [sys.executable, "-m", "lik_gen", "--help"]],
+    ids=["console-script", "python-m"],
+)
+def test_cli_help(cmd):
+    proc = _run(cmd, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "generate" in proc.stdout and "check" in proc.stdout
+
+
+def test_editable_install_maps_to_checkout(tmp_path):
+    # Run from outside the checkout so the current directory cannot stand in for the install.
+    code = "import lik.runtime, lik.generated as g; print(lik.runtime.__file__); print(g.__file__)"
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    runtime_file, generated_file = (Path(p).resolve() for p in proc.stdout.split())
+    assert runtime_file.parent == REPO / "runtime"
+    assert generated_file.parent == REPO / "generated"
+
+
+def _copy_source(dst: Path) -> Path:
+    """Copy the checkout without venvs, VCS data or old build output (a stale build/ can
+    leak deleted modules into a wheel)."""
+
+    def ignore(_dir, names):
+        skip = {"build", "dist", "__pycache__"}
+        return [n for n in names if n.startswith(".") or n in skip or n.endswith(".egg-info")]
+
+    shutil.copytree(REPO, dst, ignore=ignore)
+    return dst
+
+
+def _manifest_kernel_files(manifest) -> set[str]:
+    """Every kernel source path named anywhere in MANIFEST.json, relative to generated/."""
+    found: set[str] = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(key)
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str) and node.endswith((".py", ".metal")):
+            found.add(node.removeprefix("generated/"))
+
+    walk(manifest)
+    return found
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_imports(tmp_path):
+    src = _copy_source(tmp_path / "src")
+    dist = tmp_path / "dist"
+    build = _run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist)],
+        cwd=src,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stdout[-4000:] + build.stderr[-4000:]
+    (wheel,) = dist.glob("lik-*.whl")
+
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        manifest = json.loads(zf.read("lik/generated/MANIFEST.json"))
+    tops = {n.split("/")[0] for n in names if ".dist-info/" not in n}
+    # The mapping must not leak the checkout's folder names (runtime/, generated/) as packages.
+    assert tops == {"lik", "lik_gen"}, tops
+    kernels = _manifest_kernel_files(manifest)
+    missing = sorted(k for k in kernels if f"lik/generated/{k}" not in names)
+    assert not missing, f"listed in MANIFEST.json but not in the wheel: {missing[:10]}"
+    modules = sorted(
+        "lik.generated." + k.removesuffix(".py").replace("/", ".")
+        for k in kernels
+        if k.startswith("triton/") and k.endswith(".py")
+    )
+    assert modules, "MANIFEST.json lists no generated Triton kernels"
+
+    target = tmp_path / "site"
+    install = _run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stdout[-4000:] + install.stderr[-4000:]
+
+    # -S: no site-packages and no .pth files, so the dev env's editable hook cannot answer;
+    # the venv's site-packages comes last, only for torch and numpy. Runs outside the checkout.
+    code = textwrap.dedent(
+        """
+        import importlib.util, sys
+        from pathlib import Path
+        target, purelib, modules = Path(sys.argv[1]).resolve(), sys.argv[2], sys.argv[3:]
+        sys.path[:] = [str(target)] + [p for p in sys.path if p]
+        sys.path.append(purelib)
+        import lik, lik.runtime, lik.generated, lik_gen
+        for mod in (lik, lik.runtime, lik.generated, lik_gen):
+            assert Path(mod.__file__).resolve().is_relative_to(target), mod.__file__
+        for name in modules:
+            spec = importlib.util.find_spec(name)
+            assert spec and Path(spec.origin).resolve().is_relative_to(target), name
+        print("ok", len(modules))
+        """
+    )
+    purelib = sysconfig.get_paths()["purelib"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    args = [sys.executable, "-S", "-c", code, str(target), purelib, *modules]
+    proc = _run(args, cwd=elsewhere, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split() == ["ok", str(len(modules))]

@@ -1,0 +1,147 @@
+"""Runtime: validation errors, device paths, keys, tuning configs, registry integrity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lik.runtime import describe_backend, dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime.keys import KernelKey, lq_bucket, padded_head_dim, size_class, variant_name
+from lik.runtime.tuning import config_for, default_config
+
+Q = torch.randn(2, 5, 16)
+D = torch.randn(3, 7, 16)
+
+
+@pytest.mark.parametrize(
+    "call, error, fragments",
+    [
+        (lambda: maxsim(Q[0, 0], D), ValueError, ["Q must be", "got 1 dims"]),
+        (lambda: maxsim(Q, D[None, None]), ValueError, ["D must be", "got 5 dims"]),
+        (
+            lambda: maxsim(Q, torch.randn(3, 7, 15)),
+            ValueError,
+            ["head dim", "Q has 16", "D has 15"],
+        ),
+        (lambda: maxsim(Q.double(), D.double()), TypeError, ["Q must have dtype", "torch.float64"]),
+        (lambda: maxsim(Q, D.half()), TypeError, ["share a dtype", "torch.float16"]),
+        (lambda: maxsim(Q.tolist(), D), TypeError, ["Q must be a torch.Tensor", "list"]),
+        (
+            lambda: maxsim(Q, D, torch.ones(2, 4, dtype=torch.bool)),
+            ValueError,
+            ["q_mask must have shape (2, 5)", "got (2, 4)"],
+        ),
+        (
+            lambda: maxsim(Q, D, None, torch.ones(3, 7)),
+            TypeError,
+            ["d_mask must be bool", "float32"],
+        ),
+        (
+            lambda: maxsim(Q, D, None, torch.ones(7, 3, dtype=torch.bool)),
+            ValueError,
+            ["d_mask must have shape (3, 7)"],
+        ),
+        (lambda: maxsim(Q, torch.randn(3, 4, 7, 16)), ValueError, ["kd layout", "Nq=2"]),
+        (lambda: maxsim(Q, D, backward="fast"), ValueError, ["backward must be one of", "'fast'"]),
+        (
+            lambda: maxsim(torch.randn(2, 5, 600), torch.randn(3, 7, 600)),
+            ValueError,
+            ["head dim 600 exceeds"],
+        ),
+        (lambda: maxsim_pairs(Q, D), ValueError, ["one doc per query", "B=2", "3"]),
+        (
+            lambda: maxsim_pairs(Q, D[:2], None, torch.ones(2, 6, dtype=torch.bool)),
+            ValueError,
+            ["d_mask must have shape (2, 7)"],
+        ),
+    ],
+)
+def test_bad_inputs_raise_named_errors(call, error, fragments):
+    with pytest.raises(error) as caught:
+        call()
+    for fragment in fragments:
+        assert fragment in str(caught.value), f"{fragment!r} not in {caught.value}"
+
+
+def test_masks_on_another_device_are_refused():
+    meta_mask = torch.ones(2, 5, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="q_mask must be on cpu"):
+        maxsim(Q, D, meta_mask)
+
+
+def test_reference_path_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert dispatch.backend(torch.device("cpu")) == "reference"
+    assert describe_backend("cpu") == "reference PyTorch (cpu)"
+    Qg = Q.clone().requires_grad_()
+    out = maxsim(Qg, D)  # the reference is autograd-aware
+    out.sum().backward()
+    assert Qg.grad is not None and out.dtype == torch.float32
+
+
+@pytest.mark.skipif(
+    dispatch.backend(torch.device("cpu")) != "interpreter", reason="needs the Triton interpreter"
+)
+def test_gradients_through_kernels_are_refused_not_wrong():
+    Qg = Q.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="gradients"):
+        maxsim(Qg, D)
+    with pytest.raises(NotImplementedError, match="gradients"):
+        maxsim_pairs(Qg, D[:2])
+    with torch.no_grad():
+        assert maxsim(Qg, D).shape == (2, 3)
+
+
+def test_buckets():
+    assert [padded_head_dim(d) for d in (1, 16, 48, 96, 128, 129)] == [16, 16, 64, 128, 128, 256]
+    assert [lq_bucket(n) for n in (1, 16, 17, 32, 300, 512, 900)] == [16, 16, 32, 32, 512, 512, 512]
+    assert [size_class(n) for n in (1, 1023, 1024, 70000)] == ["s", "s", "m", "l"]
+
+
+def test_variant_names_match_the_compiler():
+    from lik_gen.ir import Variant
+
+    name = variant_name("kd", True, False, True, torch.float16)
+    assert name == "maxsim_kd_qmask_fp16_triton_norm"
+    assert Variant.parse(name).name == name
+    assert name in registry.names()
+
+
+def test_every_runtime_variant_is_generated():
+    """Each (layout, masks, normalize, dtype) the runtime can ask for exists in the manifest."""
+    for layout in ("dense", "kd", "pairs"):
+        for q in (False, True):
+            for d in (False, True):
+                for norm in (False, True):
+                    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                        assert variant_name(layout, q, d, norm, dtype) in registry.names()
+
+
+def test_config_caps_pipeline_stages_to_shared_memory():
+    key = KernelKey("maxsim_dense_nomask_fp32_triton", "ada", 512, 512, "l")
+    module = registry.load(key.variant)
+    config = config_for(key, module.smem_bytes)
+    assert module.smem_bytes(512, config.block_l, 512, config.num_stages) <= 99 * 1024 or (
+        config.num_stages == 1
+    )
+    assert config.num_stages < default_config(key)["num_stages"]
+
+
+def test_hand_edited_generated_file_is_refused():
+    import importlib.resources
+
+    name = "maxsim_dense_nomask_fp32_triton"
+    (path,) = registry.manifest()[name]["files"]
+    text = (importlib.resources.files("lik.generated") / path).read_text()
+    registry.verify_text(name, path, text)  # the committed file passes
+    edited = text.replace("BLOCK_L: tl.constexpr", "BLOCK_L: tl.constexpr = 64")
+    assert edited != text
+    with pytest.raises(registry.GeneratedFileError, match="run `make generate`"):
+        registry.verify_text(name, path, edited)
+    with pytest.raises(registry.GeneratedFileError):
+        registry.verify_text(name, path, text.replace("# body-sha256:", "# body:"))
+
+
+def test_unknown_variant_names_say_how_to_add_one():
+    with pytest.raises(KeyError, match="make generate"):
+        registry.load("maxsim_dense_nomask_fp64_triton")
