@@ -111,7 +111,11 @@ def _explain(args, variants) -> int:
     print("plan:")
     for field in dataclasses.fields(ctx):
         value = getattr(ctx, field.name)
-        if field.name == "kernel_args":
-            value = ", ".join(a.name for a in value)
+        if isinstance(value, tuple) and value and hasattr(value[0], "expr"):
+            value = ", ".join(
+                getattr(a, "name", "")
+                + (f"({', '.join(a.params)}) = {a.expr}" if hasattr(a, "params") else "")
+                for a in value
+            )
         print(f"  {field.name}: {value}")
     return 0

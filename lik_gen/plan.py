@@ -8,19 +8,14 @@ expressions, simplified once and printed as Python.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import sympy
 from sympy.printing.pycode import PythonCodePrinter
 
-from lik_gen.ir import Decompression, DType, Layout, Target, Variant
+from lik_gen.ir import Backward, Decompression, DType, Layout, Target, Variant
 
 # One lookup table per spelling: never format a type inline.
-TRITON_DTYPE = {
-    DType.FP32: "tl.float32",
-    DType.FP16: "tl.float16",
-    DType.BF16: "tl.bfloat16",
-    DType.FP8E4M3: "tl.float8e4nv",
-}
 TORCH_DTYPE = {
     DType.FP32: "torch.float32",
     DType.FP16: "torch.float16",
@@ -51,8 +46,17 @@ INPUT_PRECISION_INTERPRETER = "ieee"
 # The decompression hook: one partial per scheme, all with the same signature.
 DOC_TILE_HOOK = {Decompression.NONE: "triton/load_doc_tile/none.py.j2"}
 
-MODULE_TEMPLATE = {Target.TRITON: "triton/maxsim_fwd.py.j2"}
+MODULE_TEMPLATE = {Target.TRITON: "triton/maxsim.py.j2"}
 LAUNCH_TEMPLATE = {Target.TRITON: "glue/launch_triton.py.j2"}
+BACKWARD_TEMPLATE = {
+    Backward.UNIFIED: "triton/backward/unified.py.j2",
+    Backward.LOWMEM: "triton/backward/lowmem.py.j2",
+}
+BACKWARD_LAUNCH_TEMPLATE = {
+    Backward.UNIFIED: "glue/backward_unified.py.j2",
+    Backward.LOWMEM: "glue/backward_lowmem.py.j2",
+}
+NO_TEMPLATE = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,29 +68,49 @@ class KernelArg:
 
 
 @dataclasses.dataclass(frozen=True)
+class Formula:
+    """A derived launch quantity, printed as a Python function into the glue."""
+
+    name: str
+    params: tuple[str, ...]
+    expr: str
+    doc: str
+
+
+@dataclasses.dataclass(frozen=True)
 class RenderContext:
     name: str
+    purpose: str
     layout: str
     has_q_mask: bool
     has_d_mask: bool
     normalize: bool
-    elem_triton: str
+    backward: str
+    save_argmax: bool
     elem_torch: str
     dot_dtype_device: str
     dot_dtype_interpreter: str
     input_precision_device: str
     input_precision_interpreter: str
-    kernel_name: str
-    kernel_args: tuple[KernelArg, ...]
+    size_names: tuple[str, ...]
     launcher_args: tuple[str, ...]
+    fwd_args: tuple[KernelArg, ...]
+    bwd_args: tuple[KernelArg, ...]
+    bwd_q_args: tuple[KernelArg, ...]
+    bwd_d_args: tuple[KernelArg, ...]
     grid_params: tuple[str, ...]
-    grid_expr: str
-    smem_params: tuple[str, ...]
-    smem_expr: str
+    unified_grid_params: tuple[str, ...]
+    unified_block_n: str
+    lowmem_q_grid_params: tuple[str, ...]
+    lowmem_d_grid_params: tuple[str, ...]
+    formulas: tuple[Formula, ...]
     doc_tile_hook: str
     module_template: str
     launch_template: str
+    backward_template: str
+    backward_launch_template: str
     output_doc: str
+    argmax_doc: str
 
 
 class PlanError(ValueError):
@@ -101,55 +125,189 @@ class _Printer(PythonCodePrinter):
         return f"cdiv({self._print(num)}, {self._print(den)})"
 
 
+@functools.cache
 def _pycode(expr: sympy.Expr) -> str:
+    # Cached: the same few formulas recur across hundreds of variants, and simplify is slow.
     return _Printer().doprint(sympy.simplify(expr))
 
 
+def _formula(name: str, expr: sympy.Expr, params: tuple[str, ...], doc: str) -> Formula:
+    missing = {str(s) for s in expr.free_symbols} - set(params)
+    if missing:
+        raise PlanError(f"formula {name} uses symbols {sorted(missing)} it does not take")
+    return Formula(name, params, _pycode(expr), doc)
+
+
 # Sizes named as the launcher names them.
-Nq, Nd, K, B = sympy.symbols("Nq Nd K B", integer=True, positive=True)
-BLOCK_Q, BLOCK_L, BLOCK_K, num_stages = sympy.symbols(
-    "BLOCK_Q BLOCK_L BLOCK_K num_stages", integer=True, positive=True
+Nq, Nd, K, B, Lq, Ld, n_rows = sympy.symbols("Nq Nd K B Lq Ld n_rows", integer=True, positive=True)
+BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, num_stages = sympy.symbols(
+    "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R num_stages", integer=True, positive=True
 )
 
-
-def _layout_shape(layout: Layout) -> tuple[sympy.Expr, tuple[str, ...], str]:
-    """Programs launched (one per scored (query, doc) pair), and the output shape."""
-    if layout is Layout.DENSE:
-        return Nq * Nd, ("Nq", "Nd"), "[Nq, Nd]"
-    if layout is Layout.KD:
-        return Nq * K, ("Nq", "K"), "[Nq, K]"
-    if layout is Layout.PAIRS:
-        return B, ("B",), "[B]"
-    raise PlanError(f"layout {layout.value!r} has no forward template yet")
-
-
-def _kernel_args(variant: Variant) -> tuple[KernelArg, ...]:
-    """Exactly the arguments the kernel reads, in order, with their launcher expressions."""
-    layout, mask = variant.layout, variant.mask
-    args = [KernelArg("Q", "Q"), KernelArg("D", "D")]
-    if mask.has_q:
-        args.append(KernelArg("q_mask", "q_mask"))
-    if mask.has_d:
-        args.append(KernelArg("d_mask", "d_mask"))
-    args.append(KernelArg("Out", "out"))
-    sizes = {Layout.DENSE: ["Nq", "Nd"], Layout.KD: ["Nq", "K"], Layout.PAIRS: []}[layout]
-    args += [KernelArg(s, s) for s in sizes + ["Lq", "Ld", "dim"]]
-    args += _strides("q", "Q", ("b", "s", "k"))
-    doc_axes = ("b", "c", "t", "k") if layout is Layout.KD else ("b", "t", "k")
-    args += _strides("d", "D", doc_axes)
-    if mask.has_q:
-        args += _strides("qm", "q_mask", ("b", "s"))
-    if mask.has_d:
-        args += _strides("dm", "d_mask", doc_axes[:-1])
-    out_axes = ("b",) if layout is Layout.PAIRS else ("b", "c")
-    args += _strides("o", "out", out_axes)
-    return tuple(args)
+# Per layout: size names, output and argmax shapes, docs per query, and the stride axes
+# of D (and its gradient) and of the per-pair tensors (scores, grad_out, argmax rows).
+_LAYOUT = {
+    Layout.DENSE: dict(
+        sizes=("Nq", "Nd", "Lq", "Ld", "dim"),
+        queries=Nq,
+        docs=Nd,
+        doc_count=Nd,
+        doc_axes=("b", "t", "k"),
+        pair_axes=("b", "c"),
+        output="[Nq, Nd]",
+        argmax="[Nq, Nd, Lq] int32",
+    ),
+    Layout.KD: dict(
+        sizes=("Nq", "K", "Lq", "Ld", "dim"),
+        queries=Nq,
+        docs=K,
+        doc_count=Nq * K,
+        doc_axes=("b", "c", "t", "k"),
+        pair_axes=("b", "c"),
+        output="[Nq, K]",
+        argmax="[Nq, K, Lq] int32",
+    ),
+    Layout.PAIRS: dict(
+        sizes=("B", "Lq", "Ld", "dim"),
+        queries=B,
+        docs=sympy.Integer(1),
+        doc_count=B,
+        doc_axes=("b", "t", "k"),
+        pair_axes=("b",),
+        output="[B]",
+        argmax="[B, Lq] int32",
+    ),
+}
 
 
 def _strides(prefix: str, tensor: str, axes: tuple[str, ...]) -> list[KernelArg]:
     return [
         KernelArg(f"stride_{prefix}{axis}", f"{tensor}.stride({i})") for i, axis in enumerate(axes)
     ]
+
+
+# The sizes each kernel reads, per layout: the count it splits program ids by or loops
+# over, then the token counts and the head dim. Anything else would be a dead argument.
+_KERNEL_SIZES = {
+    "fwd": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
+            Layout.PAIRS: ("Lq", "Ld")},
+    "bwd": {Layout.DENSE: ("Nq", "Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
+    "bwd_q": {Layout.DENSE: ("Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
+    "bwd_d": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
+              Layout.PAIRS: ("Lq", "Ld")},
+}  # fmt: skip
+
+
+def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
+    """Exactly the arguments each kernel reads, in order, with their launcher expressions."""
+    layout, normalize = variant.layout, variant.normalize
+    doc_axes, pair_axes = _LAYOUT[layout]["doc_axes"], _LAYOUT[layout]["pair_axes"]
+
+    def sizes(kernel: str) -> list[KernelArg]:
+        return [KernelArg(s, s) for s in _KERNEL_SIZES[kernel][layout] + ("dim",)]
+
+    q, q_strides = [KernelArg("Q", "Q")], _strides("q", "Q", ("b", "s", "k"))
+    d, d_strides = [KernelArg("D", "D")], _strides("d", "D", doc_axes)
+    grad, grad_strides = [KernelArg("Grad", "grad_out")], _strides("g", "grad_out", pair_axes)
+    argmax = [KernelArg("Argmax", "argmax")]
+    argmax_strides = _strides("a", "argmax", pair_axes + ("s",))
+    gq, gq_strides = [KernelArg("GQ", "GQ")], _strides("gq", "GQ", ("b", "s", "k"))
+    gd, gd_strides = [KernelArg("GD", "GD")], _strides("gd", "GD", doc_axes)
+
+    fwd = q + d
+    fwd_strides = q_strides + d_strides
+    if variant.mask.has_q:
+        fwd += [KernelArg("q_mask", "q_mask")]
+    if variant.mask.has_d:
+        fwd += [KernelArg("d_mask", "d_mask")]
+    if variant.mask.has_q:
+        fwd_strides += _strides("qm", "q_mask", ("b", "s"))
+    if variant.mask.has_d:
+        fwd_strides += _strides("dm", "d_mask", doc_axes[:-1])
+    fwd += [KernelArg("Out", "out")]
+    fwd_strides += _strides("o", "out", pair_axes)
+    if variant.backward is not Backward.NONE:
+        fwd += argmax
+        fwd_strides += argmax_strides
+    # grad_Q reads the raw queries only for the normalization Jacobian; grad_D likewise
+    # reads the raw doc tokens only then.
+    bwd_q_inputs = (q if normalize else []) + d + grad + argmax
+    bwd_q_strides = (q_strides if normalize else []) + d_strides
+    bwd_d_inputs = q + (d if normalize else []) + grad + argmax
+    bwd_d_strides = q_strides + (d_strides if normalize else [])
+    return {
+        "fwd": tuple(fwd + sizes("fwd") + fwd_strides),
+        "bwd": tuple(q + d + grad + argmax + gq + gd + sizes("bwd") + q_strides + d_strides
+                     + grad_strides + argmax_strides + gq_strides + gd_strides),
+        "bwd_q": tuple(bwd_q_inputs + gq + sizes("bwd_q") + bwd_q_strides + grad_strides
+                       + argmax_strides + gq_strides),
+        "bwd_d": tuple(bwd_d_inputs + gd + sizes("bwd_d") + bwd_d_strides + grad_strides
+                       + argmax_strides + gd_strides),
+    }  # fmt: skip
+
+
+def _formulas(variant: Variant) -> tuple[Formula, ...]:
+    shape = _LAYOUT[variant.layout]
+    queries, docs = shape["queries"], shape["docs"]
+    pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
+    element = ELEMENT_BYTES[variant.dtype]
+    formulas = [
+        _formula("forward_grid", sympy.Tuple(queries * docs), pair_params,
+                 "Programs of the forward: one per scored (query, document) pair."),
+        _formula("smem_bytes", (num_stages * BLOCK_L + BLOCK_Q) * BLOCK_K * element,
+                 ("BLOCK_Q", "BLOCK_L", "BLOCK_K", "num_stages"),
+                 "Shared memory of the forward: pipelined doc tiles plus the query tile."),
+    ]  # fmt: skip
+    if variant.backward is Backward.UNIFIED:
+        blocks = sympy.ceiling(docs / BLOCK_N) if docs != 1 else sympy.Integer(1)
+        params = pair_params + (("BLOCK_N",) if docs != 1 else ())
+        formulas.append(
+            _formula(
+                "unified_grid",
+                sympy.Tuple(queries * blocks),
+                params,
+                "Programs of the unified backward: (query, block of docs).",
+            )
+        )
+        if variant.normalize:
+            formulas.append(
+                _formula(
+                    "normalize_grid",
+                    sympy.Tuple(sympy.ceiling(n_rows / BLOCK_R)),
+                    ("n_rows", "BLOCK_R"),
+                    "Programs of the Jacobian pass.",
+                )
+            )
+    if variant.backward is Backward.LOWMEM:
+        formulas.append(
+            _formula(
+                "lowmem_q_grid",
+                sympy.Tuple(queries),
+                (str(queries),),
+                "Programs of grad_Q: one per query, owning its rows.",
+            )
+        )
+        doc_count = shape["doc_count"]
+        params = tuple(sorted(str(s) for s in doc_count.free_symbols)) + ("Ld", "BLOCK_L")
+        formulas.append(
+            _formula(
+                "lowmem_d_grid",
+                sympy.Tuple(doc_count * sympy.ceiling(Ld / BLOCK_L)),
+                params,
+                "Programs of grad_D: one per (doc, block of doc tokens).",
+            )
+        )
+    return tuple(formulas)
+
+
+def _grid_call_params(
+    formulas: tuple[Formula, ...], name: str, blocks: dict[str, str]
+) -> tuple[str, ...]:
+    """The launcher's arguments for a grid formula: sizes by name, tiles from the config."""
+    for formula in formulas:
+        if formula.name == name:
+            return tuple(blocks.get(p, p) for p in formula.params)
+    return ()
 
 
 def plan(variant: Variant) -> RenderContext:
@@ -162,34 +320,49 @@ def plan(variant: Variant) -> RenderContext:
         )
     if variant.dtype is DType.FP8E4M3:
         raise PlanError(f"{variant.name}: fp8 inputs have their own entry and template")
-    programs, grid_params, output_doc = _layout_shape(variant.layout)
-    smem = (num_stages * BLOCK_L + BLOCK_Q) * BLOCK_K * ELEMENT_BYTES[variant.dtype]
+    if variant.layout not in _LAYOUT:
+        raise PlanError(f"{variant.name}: layout {variant.layout.value!r} has no template yet")
+    shape = _LAYOUT[variant.layout]
+    args = _kernel_args(variant)
+    formulas = _formulas(variant)
+    blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l"}
     launcher_args = ["Q", "D"]
     if variant.mask.has_q:
         launcher_args.append("q_mask")
     if variant.mask.has_d:
         launcher_args.append("d_mask")
+    backward = variant.backward
     return RenderContext(
         name=variant.name,
+        purpose="forward" if backward is Backward.NONE else f"training ({backward.value} backward)",
         layout=variant.layout.value,
         has_q_mask=variant.mask.has_q,
         has_d_mask=variant.mask.has_d,
         normalize=variant.normalize,
-        elem_triton=TRITON_DTYPE[variant.dtype],
+        backward=backward.value,
+        save_argmax=backward is not Backward.NONE,
         elem_torch=TORCH_DTYPE[variant.dtype],
         dot_dtype_device=DOT_DTYPE_DEVICE[variant.dtype],
         dot_dtype_interpreter=DOT_DTYPE_INTERPRETER,
         input_precision_device=INPUT_PRECISION_DEVICE[variant.dtype],
         input_precision_interpreter=INPUT_PRECISION_INTERPRETER,
-        kernel_name=f"{variant.name}_fwd_kernel",
-        kernel_args=_kernel_args(variant),
+        size_names=shape["sizes"],
         launcher_args=tuple(launcher_args),
-        grid_params=grid_params,
-        grid_expr=_pycode(programs),
-        smem_params=("BLOCK_Q", "BLOCK_L", "BLOCK_K", "num_stages"),
-        smem_expr=_pycode(smem),
+        fwd_args=args["fwd"],
+        bwd_args=args["bwd"] if backward is Backward.UNIFIED else (),
+        bwd_q_args=args["bwd_q"] if backward is Backward.LOWMEM else (),
+        bwd_d_args=args["bwd_d"] if backward is Backward.LOWMEM else (),
+        grid_params=_grid_call_params(formulas, "forward_grid", blocks),
+        unified_grid_params=_grid_call_params(formulas, "unified_grid", blocks),
+        unified_block_n="1" if variant.layout is Layout.PAIRS else "config.block_n",
+        lowmem_q_grid_params=_grid_call_params(formulas, "lowmem_q_grid", blocks),
+        lowmem_d_grid_params=_grid_call_params(formulas, "lowmem_d_grid", blocks),
+        formulas=formulas,
         doc_tile_hook=DOC_TILE_HOOK[variant.decompression],
         module_template=MODULE_TEMPLATE[variant.target],
         launch_template=LAUNCH_TEMPLATE[variant.target],
-        output_doc=output_doc,
+        backward_template=BACKWARD_TEMPLATE.get(backward, NO_TEMPLATE),
+        backward_launch_template=BACKWARD_LAUNCH_TEMPLATE.get(backward, NO_TEMPLATE),
+        output_doc=shape["output"],
+        argmax_doc=shape["argmax"],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import subprocess
@@ -44,22 +45,27 @@ def environment(template_dir: Path) -> jinja2.Environment:
 
 
 def templates_used(env: jinja2.Environment, name: str, ctx: RenderContext) -> list[str]:
-    """The template and every partial it includes, found from the parsed sources.
-
-    Includes named through ctx attributes (the variant hooks) are resolved against ctx.
+    """The template and every partial it includes or imports, found from the parsed
+    sources. Includes named through ctx attributes (the variant hooks) are resolved
+    against ctx; an empty name (a hook this variant does not use) is skipped.
     """
     seen: list[str] = []
     pending = [name]
     while pending:
         current = pending.pop()
-        if current in seen:
+        if current in seen or not current:
             continue
         seen.append(current)
-        source = env.loader.get_source(env, current)[0]  # type: ignore[union-attr]
-        ast = env.parse(source)
-        for node in ast.find_all(jinja2.nodes.Include):
+        ast = _parsed(env, current)
+        for node in ast.find_all((jinja2.nodes.Include, jinja2.nodes.Import)):
             pending.append(_include_target(node.template, ctx))
     return sorted(seen)
+
+
+@functools.cache
+def _parsed(env: jinja2.Environment, name: str) -> jinja2.nodes.Template:
+    """A template's AST, parsed once per environment (hundreds of variants share it)."""
+    return env.parse(env.loader.get_source(env, name)[0])  # type: ignore[union-attr]
 
 
 def _include_target(node: jinja2.nodes.Expr, ctx: RenderContext) -> str:
@@ -140,7 +146,10 @@ def format_python(bodies: dict[str, str]) -> dict[str, str]:
             [sys.executable, "-m", "ruff", *RUFF_ARGS, str(root)], capture_output=True, text=True
         )
         if run.returncode != 0:
-            raise RuntimeError(f"ruff could not format the rendered code:\n{run.stderr}")
+            first = "\n".join(run.stderr.splitlines()[:5])
+            raise RuntimeError(
+                f"ruff could not format the rendered code (a template bug):\n{first}"
+            )
         return {**bodies, **{path: (root / path).read_text() for path in python}}
 
 

@@ -4,23 +4,44 @@ from __future__ import annotations
 
 import torch
 
-from lik.runtime import dispatch, validate
+from lik.runtime import autograd, dispatch, validate
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
 _D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
 
 
+# "auto" sends an in-batch (dense) backward to lowmem from this many scored pairs on.
+# Placeholder until measured; see benchmarks/results/train_*.md.
+AUTO_LOWMEM_MIN_PAIRS = 128 * 128
+
+
 def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _refuse_grad(name: str) -> None:
-    raise NotImplementedError(
-        f"{name}: gradients through the generated kernels are not available yet; call it "
-        "under torch.no_grad() (or with inputs that do not require grad), or use "
-        "lik.runtime.reference for training"
-    )
+def choose_backward(backward: str | None, layout: str, n_pairs: int) -> str:
+    """The backward strategy a call uses: the caller's choice, or "auto"'s pick.
+
+    auto: kd / hard-negative and diagonal layouts own each doc's gradient in one program,
+    so lowmem is both leaner and cheap there; large in-batch squares go to lowmem too
+    (atomic contention on grad_D grows with Nq); smaller in-batch calls take unified.
+    """
+    if backward in ("unified", "lowmem"):
+        return backward
+    if layout != "dense" or n_pairs >= AUTO_LOWMEM_MIN_PAIRS:
+        return "lowmem"
+    return "unified"
+
+
+def _score(layout, Q, D, q_mask, d_mask, normalize, backward) -> torch.Tensor:
+    """Generated-kernel path, through the custom op (autograd and torch.compile aware)."""
+    strategy = "none"
+    if _needs_grad(Q, D):
+        n_pairs = Q.shape[0] * (D.shape[0] if layout == "dense" else 1)
+        strategy = choose_backward(backward, layout, n_pairs)
+    scores, _ = autograd.maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, strategy)
+    return scores
 
 
 def maxsim(
@@ -74,11 +95,7 @@ def maxsim(
     if path == "reference":
         out = maxsim_reference(Q3, D3, q_mask, d_mask, normalize=normalize).float()
     else:
-        if _needs_grad(Q, D):
-            _refuse_grad("maxsim")
-        shape = (Nq, D3.shape[1]) if layout == "kd" else (Nq, D3.shape[0])
-        out = torch.empty(shape, dtype=torch.float32, device=Q.device)
-        dispatch.forward(layout, Q3, D3, q_mask, d_mask, normalize, out)
+        out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)
     if squeeze_doc:
         out = out[:, 0]
     return out[0] if squeeze_query else out
@@ -111,7 +128,4 @@ def maxsim_pairs(
     d_mask = validate.mask("d_mask", d_mask, (B, Ld), D.device, "[B, Ld]")
     if dispatch.backend(Q.device) == "reference":
         return maxsim_pairs_reference(Q, D, q_mask, d_mask, normalize=normalize).float()
-    if _needs_grad(Q, D):
-        _refuse_grad("maxsim_pairs")
-    out = torch.empty((B,), dtype=torch.float32, device=Q.device)
-    return dispatch.forward("pairs", Q, D, q_mask, d_mask, normalize, out)
+    return _score("pairs", Q, D, q_mask, d_mask, normalize, backward)

@@ -7,7 +7,6 @@ run the reference until their target lands.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -25,17 +24,15 @@ from lik.runtime.keys import (
 )
 from lik.runtime.tuning import config_for
 
-
-@functools.cache
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once at import (not per call), so torch.compile sees a plain constant.
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def backend(device: torch.device) -> str:
     """'triton', 'interpreter' or 'reference': the path a tensor on this device takes."""
-    if device.type == "cuda" and _triton_available():
+    if device.type == "cuda" and TRITON_AVAILABLE:
         return "triton"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_available():
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and TRITON_AVAILABLE:
         return "interpreter"
     return "reference"
 
@@ -56,6 +53,22 @@ def _mask_arg(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask
 
 
+def _chunks(lq: int):
+    """Query-token ranges scored per launch: LQ_CHUNK tokens at most."""
+    return [(start, min(lq, start + LQ_CHUNK)) for start in range(0, lq, LQ_CHUNK)]
+
+
+def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int):
+    key = KernelKey(
+        name,
+        gpu_family(Q.device),
+        padded_head_dim(Q.shape[-1]),
+        lq_bucket(lq),
+        size_class(programs),
+    )
+    return config_for(key, module.smem_bytes)
+
+
 def forward(
     layout: str,
     Q: torch.Tensor,
@@ -64,37 +77,68 @@ def forward(
     d_mask,
     normalize: bool,
     out: torch.Tensor,
+    *,
+    backward: str = "none",
+    argmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores into `out` (fp32, shaped for the layout) with the generated kernel.
 
+    With a backward strategy, the training variant also writes each query token's winning
+    doc token into `argmax` (out.shape + (Lq,), int32, -1 where no token wins).
     Queries longer than LQ_CHUNK tokens are scored chunk by chunk and summed: exact, since
     each query token's max is independent of the others.
     """
     lq = Q.shape[1]
+    if argmax is not None:
+        argmax.fill_(-1)
     if out.numel() == 0:
         return out
     if lq == 0 or D.shape[-2] == 0:
         return out.zero_()
-    name = variant_name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype)
+    name = variant_name(
+        layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, backward=backward
+    )
     module = registry.load(name)
-    programs = out.numel()
-    masks = {}
+    extra = {}
     if d_mask is not None:
-        masks["d_mask"] = _mask_arg(d_mask)
-    for start in range(0, lq, LQ_CHUNK):
-        stop = min(lq, start + LQ_CHUNK)
-        key = KernelKey(
-            name,
-            gpu_family(Q.device),
-            padded_head_dim(Q.shape[-1]),
-            lq_bucket(stop - start),
-            size_class(programs),
-        )
-        config = config_for(key, module.smem_bytes)
+        extra["d_mask"] = _mask_arg(d_mask)
+    for start, stop in _chunks(lq):
+        config = _config(name, module, Q, stop - start, out.numel())
         if q_mask is not None:
-            masks["q_mask"] = _mask_arg(q_mask[:, start:stop])
+            extra["q_mask"] = _mask_arg(q_mask[:, start:stop])
+        if argmax is not None:
+            extra["argmax"] = argmax[..., start:stop]
         target = out if start == 0 else torch.empty_like(out)
-        module.launch(target, Q[:, start:stop], D, config=config, **masks)
+        module.launch(target, Q[:, start:stop], D, config=config, **extra)
         if start > 0:
             out += target
     return out
+
+
+def backward(
+    layout: str,
+    grad_out: torch.Tensor,
+    argmax: torch.Tensor,
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    has_q_mask: bool,
+    has_d_mask: bool,
+    normalize: bool,
+    strategy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_Q, grad_D) of sum(grad_out * scores) from the argmax the forward saved."""
+    lq = Q.shape[1]
+    if grad_out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
+        return torch.zeros_like(Q), torch.zeros_like(D)
+    name = variant_name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, backward=strategy)
+    module = registry.load(name)
+    grad_q_chunks, grad_d = [], None
+    for start, stop in _chunks(lq):
+        config = _config(name, module, Q, stop - start, grad_out.numel())
+        gq, gd = module.backward(
+            grad_out, argmax[..., start:stop], Q[:, start:stop], D, config=config
+        )
+        grad_q_chunks.append(gq)
+        grad_d = gd if grad_d is None else grad_d + gd
+    grad_q = grad_q_chunks[0] if len(grad_q_chunks) == 1 else torch.cat(grad_q_chunks, dim=1)
+    return grad_q, grad_d

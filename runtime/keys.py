@@ -66,6 +66,7 @@ def variant_name(
     normalize: bool,
     dtype: torch.dtype,
     target: str = "triton",
+    backward: str = "none",
 ) -> str:
     """The canonical generated-variant name (see lik_gen.ir.Variant.name)."""
     mask = {
@@ -75,7 +76,11 @@ def variant_name(
         (True, True): "qdmask",
     }[(has_q_mask, has_d_mask)]
     name = f"maxsim_{layout}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
-    return name + "_norm" if normalize else name
+    if normalize:
+        name += "_norm"
+    if backward != "none":
+        name += f"_{backward}"
+    return name
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ class LaunchConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    block_n: int = 8  # docs per program of the unified backward
     interpret: bool = False
 
 
@@ -41,10 +42,10 @@ def load_table(family: str) -> dict[str, dict[str, int]]:
 def default_config(key: KernelKey) -> dict[str, int]:
     if key.family == "interpreter":
         # The interpreter runs whole tiles in numpy: fewer, larger steps are faster.
-        return {"block_l": 32, "num_warps": 4, "num_stages": 1}
+        return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4}
     block_l = 64 if key.head_dim <= 128 else 32
     num_warps = 4 if key.lq <= 32 else 8
-    return {"block_l": block_l, "num_warps": num_warps, "num_stages": 3}
+    return {"block_l": block_l, "num_warps": num_warps, "num_stages": 3, "block_n": 8}
 
 
 def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
@@ -60,5 +61,6 @@ def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
         block_k=key.head_dim,
         num_warps=entry["num_warps"],
         num_stages=stages,
+        block_n=entry.get("block_n", 8),
         interpret=key.family == "interpreter",
     )

@@ -1,0 +1,318 @@
+"""Top-k retrieval over a corpus: chunked scoring, exact tie rule, sharded merge.
+
+Every score comes from lik.runtime.maxsim, so retrieval runs the generated kernels
+wherever maxsim does. Selection is exact and deterministic: the k best scores per query,
+and among equal scores the lower document index wins (torch.topk alone does not promise
+which of two equal scores it keeps). To get that rule from a single topk call, each
+candidate is packed into one int64 key, the score's order-preserving bit pattern in the
+high 32 bits and the document id in the low 32, so no two candidates compare equal.
+
+    retrieve           one process: [Nq, Nd] scores, or chunks of `chunk` docs at a time
+    retrieve_sharded   torch.distributed: each rank scores its shard, ranks merge top-k
+    merge_top_k        the selection rule itself, over any list of (scores, ids) pairs
+    merge_shard_results  the cross-rank step alone (an all-gather of candidates)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from lik.runtime import validate
+from lik.runtime.api import maxsim
+
+_Q_DOC = "[Nq, Lq, d] or [Lq, d]"
+_D_DOC = "[Nd, Ld, d]"
+
+# Document ids share an int64 key with the score's 32 bits.
+MAX_DOCUMENTS = 1 << 32
+_LOW_32 = 0xFFFFFFFF
+_SIGN_CLEAR = 0x7FFFFFFF
+
+
+# ---------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _check_top_k(top_k: object) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int >= 1, got {type(top_k).__name__} {top_k!r}")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    return top_k
+
+
+def _check_chunk(chunk: object) -> int | None:
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
+        raise TypeError(
+            f"chunk must be None or an int >= 1 (docs per step), got {type(chunk).__name__}"
+        )
+    if chunk < 1:
+        raise ValueError(f"chunk must be None or >= 1 (docs per step), got {chunk}")
+    return chunk
+
+
+def _check_document_count(count: int) -> None:
+    if count > MAX_DOCUMENTS:
+        raise ValueError(
+            f"retrieval supports at most 2**32 documents (ids share an int64 key with the "
+            f"score), got {count}"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The selection rule: int64 keys ordered by (score, then lower id)
+
+
+def _encode(scores: torch.Tensor, ids: torch.Tensor, largest: bool) -> torch.Tensor:
+    """One int64 per candidate; a larger key (largest=True) or smaller key (largest=False)
+    is always the better candidate, and equal scores prefer the lower id.
+
+    In place where possible: a chunk's keys cost 8 bytes per score plus one temporary.
+    """
+    # + 0.0 folds -0.0 into 0.0, which compare equal as floats.
+    keys = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    # Negative floats order backwards as integers: flip their magnitude bits.
+    keys ^= (keys >> 31) & _SIGN_CLEAR
+    keys <<= 32
+    keys |= (_LOW_32 - ids) if largest else ids
+    return keys
+
+
+def _decode(keys: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    id_bits = keys & _LOW_32
+    ids = (_LOW_32 - id_bits) if largest else id_bits
+    ordered = keys >> 32
+    bits = ordered ^ ((ordered >> 31) & _SIGN_CLEAR)  # the flip is its own inverse
+    return bits.to(torch.int32).view(torch.float32), ids
+
+
+def _best_keys(keys: torch.Tensor, k: int, largest: bool, sorted: bool) -> torch.Tensor:
+    if keys.shape[1] <= k and not sorted:
+        return keys
+    return keys.topk(min(k, keys.shape[1]), dim=1, largest=largest, sorted=sorted).values
+
+
+def merge_top_k(
+    candidates: list[tuple[torch.Tensor, torch.Tensor]],
+    k: int,
+    *,
+    largest: bool = True,
+    sorted: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of the (scores [Nq, n_i] fp32, ids [Nq, n_i] int64) pairs, per row.
+
+    Ids must be distinct within a row, >= 0 and < 2**32. Equal scores keep the lower id,
+    so the result does not depend on the order or grouping of the candidates. With
+    sorted=True each row runs best first (equal scores by ascending id).
+    """
+    # Each list is cut to its own k best first, so the concatenation stays small.
+    keys = [_best_keys(_encode(s, i, largest), k, largest, False) for s, i in candidates]
+    best = _best_keys(torch.cat(keys, dim=1), k, largest, sorted)
+    return _decode(best, largest)
+
+
+# ---------------------------------------------------------------------------------------
+# One process
+
+
+def _doc_ids(start: int, stop: int, rows: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(start, stop, device=device, dtype=torch.int64).expand(rows, -1)
+
+
+def _validated(Q, D, top_k, q_mask, d_mask, chunk):
+    """Checks the whole call up front, so a chunked loop cannot fail halfway or accept a
+    mask that only matches each slice."""
+    top_k = _check_top_k(top_k)
+    chunk = _check_chunk(chunk)
+    Q = validate.tensor("Q", Q, (2, 3), _Q_DOC)
+    D = validate.tensor("D", D, (3,), _D_DOC)
+    validate.same_dtype_and_device(Q, D)
+    validate.head_dims(Q, D)
+    _check_document_count(D.shape[0])
+    d_expected = tuple(D.shape[:2])
+    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device, f"{list(d_expected)}")
+    return top_k, chunk, d_mask
+
+
+def _top_k_by_chunks(Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted):
+    """[Nq, k] best per query, scoring at most `chunk` docs at once (all when None)."""
+    Nd, rows = D.shape[0], (Q.shape[0] if Q.dim() == 3 else 1)
+    step = Nd if chunk is None else chunk
+    best = None
+    for start in range(0, max(Nd, 1), max(step, 1)):
+        stop = min(Nd, start + step)
+        part_mask = None if d_mask is None else d_mask[start:stop]
+        scores = maxsim(Q, D[start:stop], q_mask, part_mask, normalize=normalize)
+        scores = scores.view(rows, stop - start)
+        candidates = [(scores, _doc_ids(start, stop, rows, scores.device))]
+        if best is not None:
+            candidates.append(best)
+        # Intermediate merges need no order: the keys already carry the tie rule.
+        last = stop >= Nd
+        best = merge_top_k(candidates, k, largest=largest, sorted=sorted and last)
+    return best
+
+
+def retrieve(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    top_k: int,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = True,
+    chunk: int | None = None,
+    largest: bool = True,
+    sorted: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_k documents of D for each query of Q by MaxSim score.
+
+    Q [Nq, Lq, d] (or [Lq, d], dropping the query axis of the results), D [Nd, Ld, d],
+    masks as in maxsim. Returns (scores fp32 [Nq, k], indices int64 [Nq, k]) with
+    k = min(top_k, Nd); Nd == 0 gives empty [Nq, 0] results. Equal scores keep the lower
+    document index. With `chunk`, docs are scored `chunk` at a time and merged into a
+    running top-k, so extra memory stays near Nq * (chunk + k) and the [Nq, Nd] score
+    matrix is never built. largest=False returns the lowest scores; sorted=True orders
+    each row best first. Inference only: runs under torch.no_grad.
+    """
+    top_k, chunk, d_mask = _validated(Q, D, top_k, q_mask, d_mask, chunk)
+    k = min(top_k, D.shape[0])
+    with torch.no_grad():
+        scores, ids = _top_k_by_chunks(Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted)
+    if Q.dim() == 2:
+        return scores[0], ids[0]
+    return scores, ids
+
+
+# ---------------------------------------------------------------------------------------
+# Sharded over ranks of a torch.distributed process group
+
+
+def _comm_device(group) -> torch.device:
+    """NCCL moves only CUDA tensors; every other backend here takes CPU tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def _gather_ints(values: list[int], group) -> torch.Tensor:
+    """[world_size, len(values)]: every rank's values, in rank order."""
+    mine = torch.tensor(values, dtype=torch.int64, device=_comm_device(group))
+    return torch.stack(_all_gather(mine, group)).cpu()
+
+
+def _check_same_query_count(query_counts: list[int]) -> None:
+    if len(set(query_counts)) > 1:
+        raise ValueError(
+            "every rank must pass the same queries Q; got query counts by rank " f"{query_counts}"
+        )
+
+
+def merge_shard_results(
+    scores: torch.Tensor,
+    local_indices: torch.Tensor,
+    shard_size: int,
+    top_k: int,
+    *,
+    largest: bool = True,
+    sorted: bool = True,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k from each rank's local top-k (every rank of `group` must call it).
+
+    scores [Nq, n] fp32 and local_indices [Nq, n] int64 (indices into this rank's shard of
+    shard_size docs) are this rank's candidates. Shards are concatenated in rank order:
+    a document's global id is its local index plus the sizes of the lower ranks' shards.
+    Returns the same (scores [Nq, k], global ids [Nq, k]) on every rank,
+    k = min(top_k, total docs); equal scores keep the lower global id.
+    """
+    top_k = _check_top_k(top_k)
+    if scores.dim() != 2 or local_indices.shape != scores.shape:
+        raise ValueError(
+            "scores and local_indices must both be [Nq, n], got shapes "
+            f"{tuple(scores.shape)} and {tuple(local_indices.shape)}"
+        )
+    meta = _gather_ints([shard_size, scores.shape[1], scores.shape[0]], group)
+    sizes, counts, query_counts = (meta[:, i].tolist() for i in range(3))
+    _check_same_query_count(query_counts)
+    _check_document_count(sum(sizes))
+    rank = dist.get_rank(group)
+    offset = sum(sizes[:rank])
+
+    # all_gather needs one shape on every rank: pad to the longest candidate list.
+    width, device = max(counts), _comm_device(group)
+    padded_scores = scores.new_zeros(scores.shape[0], width, device=device)
+    padded_ids = torch.zeros(scores.shape[0], width, dtype=torch.int64, device=device)
+    padded_scores[:, : counts[rank]] = scores
+    padded_ids[:, : counts[rank]] = local_indices + offset
+    gathered = zip(_all_gather(padded_scores, group), _all_gather(padded_ids, group), strict=True)
+    candidates = [(s[:, :n], i[:, :n]) for (s, i), n in zip(gathered, counts, strict=True)]
+    best_scores, best_ids = merge_top_k(
+        candidates, min(top_k, sum(sizes)), largest=largest, sorted=sorted
+    )
+    return best_scores.to(scores.device), best_ids.to(scores.device)
+
+
+def _raise_if_any_rank_failed(error: Exception | None, group) -> None:
+    """Collective: a rank whose local step raised must not leave the others waiting in
+    an all-gather, so every rank learns of the failure and raises too."""
+    failed = _gather_ints([int(error is not None)], group)[:, 0].tolist()
+    if error is not None:
+        raise error
+    bad = [rank for rank, flag in enumerate(failed) if flag]
+    if bad:
+        raise RuntimeError(f"retrieve_sharded failed on rank(s) {bad}; see the error there")
+
+
+def retrieve_sharded(
+    Q: torch.Tensor,
+    D_shard: torch.Tensor,
+    top_k: int,
+    q_mask: torch.Tensor | None = None,
+    d_shard_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = True,
+    chunk: int | None = None,
+    largest: bool = True,
+    sorted: bool = True,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """retrieve over a corpus split across the ranks of a torch.distributed group.
+
+    Every rank passes the same queries Q (and q_mask) and its own shard D_shard
+    [n_rank, Ld, d] (any size, empty included; Ld may differ between ranks). Shards are
+    concatenated in rank order. Each rank scores its shard with retrieve (chunked by
+    `chunk`), then one all-gather of candidates merges them. Every rank returns the same
+    (scores [Nq, k], global ids [Nq, k]), equal to retrieve on the concatenated corpus:
+    k = min(top_k, total docs), equal scores keep the lower global id. Must be called by
+    every rank of `group` (default: the world).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "retrieve_sharded needs an initialized torch.distributed process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)"
+        )
+    error, squeeze = None, isinstance(Q, torch.Tensor) and Q.dim() == 2
+    try:
+        scores, local_ids = retrieve(
+            Q, D_shard, top_k, q_mask, d_shard_mask,
+            normalize=normalize, chunk=chunk, largest=largest, sorted=False,
+        )  # fmt: skip
+    except Exception as exc:  # re-raised below, once the other ranks know
+        error = exc
+    _raise_if_any_rank_failed(error, group)
+    if squeeze:
+        scores, local_ids = scores[None], local_ids[None]
+    scores, ids = merge_shard_results(
+        scores, local_ids, D_shard.shape[0], top_k, largest=largest, sorted=sorted, group=group
+    )
+    return (scores[0], ids[0]) if squeeze else (scores, ids)

@@ -1,0 +1,156 @@
+"""Training: generated backward kernels (unified and lowmem) against float64 reference
+gradients, on CPU under the interpreter (or compiled, with a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TOLERANCE, relative_error
+
+from lik.runtime import api, dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+from lik_gen.ir import Variant
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER = DEVICE == "cpu"
+TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+pytestmark = pytest.mark.skipif(
+    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+)
+TRAINING_VARIANTS = [n for n in registry.names() if n.endswith(("_unified", "_lowmem"))]
+
+
+def _gradient_tolerance(dtype):
+    # Gradients come back in the input dtype: one rounding to bf16 is ~4e-3 relative.
+    return 1e-5 if INTERPRETER and dtype == torch.float32 else TOLERANCE[dtype]
+
+
+def _inputs(layout, dtype, Nq, Nd, Lq, Ld, dim, seed, has_q_mask, has_d_mask):
+    g = torch.Generator().manual_seed(seed)
+    d_shape = {"dense": (Nd, Ld), "kd": (Nq, Nd, Ld), "pairs": (Nq, Ld)}[layout]
+    Q = torch.randn(Nq, Lq, dim, generator=g).to(DEVICE, dtype)
+    D = torch.randn(*d_shape, dim, generator=g).to(DEVICE, dtype)
+    q_mask = (torch.rand(Nq, Lq, generator=g) < 0.75).to(DEVICE) if has_q_mask else None
+    d_mask = None
+    if has_d_mask:
+        d_mask = (torch.rand(*d_shape, generator=g) < 0.6).to(DEVICE)
+        d_mask.view(-1, Ld)[1] = False  # one fully masked doc
+    weights = torch.randn(Nq, *((Nd,) if layout != "pairs" else ()), generator=g).to(DEVICE)
+    return Q, D, q_mask, d_mask, weights
+
+
+def _run(layout, Q, D, q_mask, d_mask, weights, normalize, backward):
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    score = maxsim_pairs if layout == "pairs" else maxsim
+    out = score(Qg, Dg, q_mask, d_mask, normalize=normalize, backward=backward)
+    (out * weights).sum().backward()
+    return out, Qg.grad, Dg.grad
+
+
+def _reference(layout, Q, D, q_mask, d_mask, weights, normalize):
+    Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
+    reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+    out = reference(Qr, Dr, q_mask, d_mask, normalize=normalize)
+    (out * weights.double()).sum().backward()
+    return out, Qr.grad, Dr.grad
+
+
+@pytest.mark.parametrize("name", TRAINING_VARIANTS)
+def test_training_variant_gradients(name):
+    variant = Variant.parse(name)
+    layout, dtype = variant.layout.value, TORCH_DTYPE[variant.dtype.value]
+    inputs = _inputs(layout, dtype, 3, 4, 5, 19, 24, hash(name) % 2**31, variant.mask.has_q,
+                     variant.mask.has_d)  # fmt: skip
+    out, gq, gd = _run(layout, *inputs, variant.normalize, variant.backward.value)
+    ref, rq, rd = _reference(layout, *inputs, variant.normalize)
+    assert gq.dtype == dtype and gd.dtype == dtype
+    assert relative_error(out, ref) < (1e-5 if INTERPRETER else TOLERANCE[dtype])
+    tolerance = _gradient_tolerance(dtype)
+    assert relative_error(gq, rq) < tolerance, f"grad_Q error {relative_error(gq, rq):.3g}"
+    assert relative_error(gd, rd) < tolerance, f"grad_D error {relative_error(gd, rd):.3g}"
+
+
+@pytest.mark.parametrize("layout", ["dense", "kd", "pairs"])
+@pytest.mark.parametrize("backward", ["unified", "lowmem"])
+def test_masked_tokens_and_fully_masked_docs_get_zero_gradient(layout, backward):
+    Q, D, q_mask, d_mask, weights = _inputs(layout, torch.float32, 2, 3, 6, 11, 16, 1, True, True)
+    _, gq, gd = _run(layout, Q, D, q_mask, d_mask, weights, True, backward)
+    assert torch.all(gq[~q_mask] == 0)
+    assert torch.all(gd[~d_mask] == 0)
+    assert torch.all(gd.view(-1, 11, 16)[1] == 0), "fully masked doc: no stale index-0 winner"
+
+
+@pytest.mark.parametrize("layout", ["dense", "kd"])
+def test_unified_and_lowmem_agree(layout):
+    inputs = _inputs(layout, torch.float32, 3, 5, 7, 23, 32, 2, True, True)
+    _, uq, ud = _run(layout, *inputs, False, "unified")
+    _, lq, ld = _run(layout, *inputs, False, "lowmem")
+    assert relative_error(lq, uq) < 1e-5 and relative_error(ld, ud) < 1e-5
+
+
+def test_lowmem_is_bitwise_deterministic():
+    inputs = _inputs("dense", torch.bfloat16, 4, 6, 9, 33, 48, 3, False, True)
+    first = _run("dense", *inputs, True, "lowmem")
+    second = _run("dense", *inputs, True, "lowmem")
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_long_query_gradients_are_chunked_exactly():
+    inputs = _inputs("dense", torch.float32, 2, 3, 530, 9, 16, 4, True, False)
+    out, gq, gd = _run("dense", *inputs, False, "lowmem")
+    ref, rq, rd = _reference("dense", *inputs, False)
+    assert relative_error(gq, rq) < _gradient_tolerance(torch.float32)
+    assert relative_error(gd, rd) < _gradient_tolerance(torch.float32)
+
+
+def test_argmax_is_saved_only_when_an_input_requires_grad(monkeypatch):
+    loaded = []
+    real_load = registry.load
+    monkeypatch.setattr(registry, "load", lambda name: loaded.append(name) or real_load(name))
+    Q, D = torch.randn(2, 5, 16, device=DEVICE), torch.randn(3, 7, 16, device=DEVICE)
+    maxsim(Q, D)
+    with torch.no_grad():
+        maxsim(Q.requires_grad_(), D)
+    assert loaded == ["maxsim_dense_nomask_fp32_triton"] * 2
+    maxsim(Q, D, backward="lowmem")
+    assert loaded[-1] == "maxsim_dense_nomask_fp32_triton_lowmem"
+
+
+def test_auto_backward_choice():
+    assert api.choose_backward(None, "kd", 64) == "lowmem"
+    assert api.choose_backward("auto", "pairs", 8) == "lowmem"
+    assert api.choose_backward(None, "dense", 16) == "unified"
+    assert api.choose_backward(None, "dense", api.AUTO_LOWMEM_MIN_PAIRS) == "lowmem"
+    assert api.choose_backward("unified", "kd", 64) == "unified"
+
+
+def test_gradient_only_for_the_input_that_requires_it():
+    Q, D = torch.randn(2, 5, 16, device=DEVICE), torch.randn(3, 7, 16, device=DEVICE)
+    Qg = Q.clone().requires_grad_()
+    maxsim(Qg, D).sum().backward()
+    ref = Q.double().requires_grad_()
+    maxsim_reference(ref, D.double()).sum().backward()
+    assert relative_error(Qg.grad, ref.grad) < _gradient_tolerance(torch.float32)
+
+
+def test_torch_compile_sees_no_graph_break():
+    """fullgraph=True fails on any graph break; the custom ops keep maxsim in one graph."""
+    torch._dynamo.reset()
+    head = torch.nn.Linear(16, 16).to(DEVICE)
+
+    def loss_fn(q, d, d_mask):
+        scores = maxsim(head(q), head(d), None, d_mask, normalize=True)
+        return torch.nn.functional.cross_entropy(scores, torch.arange(2, device=q.device))
+
+    q, d = torch.randn(2, 5, 16, device=DEVICE), torch.randn(2, 9, 16, device=DEVICE)
+    d_mask = torch.rand(2, 9, device=DEVICE) < 0.7
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, d, d_mask)
+    loss.backward()
+    compiled_grad = head.weight.grad.clone()
+    head.zero_grad()
+    eager = loss_fn(q, d, d_mask)
+    eager.backward()
+    assert torch.allclose(loss, eager)
+    assert torch.allclose(compiled_grad, head.weight.grad, atol=1e-6)
