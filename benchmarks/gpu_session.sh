@@ -62,16 +62,25 @@ export PYTHONPATH="$PEERS_DIR${PYTHONPATH:+:$PYTHONPATH}"
 setup 2>&1 | tee "$OUT/setup.log"
 
 echo "== gpu tests (timeout ${TEST_TIMEOUT}s)"
-timeout -k 10 "$TEST_TIMEOUT" python3 -P -m pytest -q -m gpu -p no:cacheprovider ${TEST_ARGS:-} tests 2>&1 | tee "$OUT/gpu_tests.log"
+timeout -k 10 "$TEST_TIMEOUT" python3 -P -m pytest -q -p no:cacheprovider ${TEST_ARGS:-} ${TEST_TARGETS:--m gpu tests} 2>&1 | tee "$OUT/gpu_tests.log"
 echo "pytest exit code ${PIPESTATUS[0]} (5 = no tests collected, 124 = timed out)" |
     tee -a "$OUT/gpu_tests.log"
 
-[ -n "${SKIP_BENCH:-}" ] && exit 0
+if [ -z "${SKIP_FORWARD:-}" ]; then
 echo "== forward benchmark (timeout ${BENCH_TIMEOUT}s)"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
 timeout -k 10 "$BENCH_TIMEOUT" python3 benchmarks/bench_forward.py --out "$OUT" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench_forward.log"
 echo "bench_forward exit code ${PIPESTATUS[0]} (124 = timed out; results so far are kept)" |
     tee -a "$OUT/bench_forward.log"
+
+fi
+
+if [ -z "${SKIP_TRAIN:-}" ]; then
+echo "== training benchmark"
+timeout -k 10 "${TRAIN_TIMEOUT:-300}" python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} \
+    2>&1 | tee "$OUT/bench_train.log"
+echo "bench_train exit code ${PIPESTATUS[0]}" | tee -a "$OUT/bench_train.log"
+fi
 
 ls -la "$OUT"

@@ -23,8 +23,9 @@ TORCH_DTYPE = {
     DType.FP8E4M3: "torch.float8_e4m3fn",
 }
 ELEMENT_BYTES = {DType.FP32: 4, DType.FP16: 2, DType.BF16: 2, DType.FP8E4M3: 1}
-# Operand dtype of tl.dot on a GPU. fp32 inputs use tf32 tensor cores (error ~3e-4,
-# inside the 1e-3 fp32 tolerance).
+# Operand dtype of tl.dot on a GPU. fp32 inputs use three tf32 passes ("tf32x3", about
+# fp32 accuracy): a single tf32 pass (~3e-4 error) flips near-tied argmaxes, which moves
+# gradients to another doc token (seen on an H200: grad_Q error 0.08-0.2 vs float64).
 DOT_DTYPE_DEVICE = {
     DType.FP32: "tl.float32",
     DType.FP16: "tl.float16",
@@ -32,7 +33,7 @@ DOT_DTYPE_DEVICE = {
     DType.FP8E4M3: "tl.float8e4nv",
 }
 INPUT_PRECISION_DEVICE = {
-    DType.FP32: "tf32",
+    DType.FP32: "tf32x3",
     DType.FP16: "ieee",
     DType.BF16: "ieee",
     DType.FP8E4M3: "ieee",

@@ -40,8 +40,7 @@ def _score(layout, Q, D, q_mask, d_mask, normalize, backward) -> torch.Tensor:
     if _needs_grad(Q, D):
         n_pairs = Q.shape[0] * (D.shape[0] if layout == "dense" else 1)
         strategy = choose_backward(backward, layout, n_pairs)
-    scores, _ = autograd.maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, strategy)
-    return scores
+    return autograd.score(Q, D, q_mask, d_mask, layout, normalize, strategy)
 
 
 def maxsim(

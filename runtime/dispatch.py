@@ -58,15 +58,19 @@ def _chunks(lq: int):
     return [(start, min(lq, start + LQ_CHUNK)) for start in range(0, lq, LQ_CHUNK)]
 
 
+_configs: dict[tuple, object] = {}
+
+
 def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int):
-    key = KernelKey(
-        name,
-        gpu_family(Q.device),
-        padded_head_dim(Q.shape[-1]),
-        lq_bucket(lq),
-        size_class(programs),
-    )
-    return config_for(key, module.smem_bytes)
+    """The launch config of a call, looked up once per key (a dict hit afterwards: this
+    runs on every call, and a rerank kernel takes ~30 us)."""
+    cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs))
+    config = _configs.get(cache_key)
+    if config is None:
+        key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
+                        lq_bucket(lq), size_class(programs))  # fmt: skip
+        config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
+    return config
 
 
 def forward(
@@ -89,11 +93,9 @@ def forward(
     each query token's max is independent of the others.
     """
     lq = Q.shape[1]
-    if argmax is not None:
-        argmax.fill_(-1)
-    if out.numel() == 0:
-        return out
-    if lq == 0 or D.shape[-2] == 0:
+    if out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
+        if argmax is not None:
+            argmax.fill_(-1)  # no winners; on the kernel path the kernel writes every entry
         return out.zero_()
     name = variant_name(
         layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, backward=backward
@@ -102,14 +104,17 @@ def forward(
     extra = {}
     if d_mask is not None:
         extra["d_mask"] = _mask_arg(d_mask)
+    if q_mask is not None:
+        q_mask = _mask_arg(q_mask)
     for start, stop in _chunks(lq):
         config = _config(name, module, Q, stop - start, out.numel())
+        whole = stop - start == lq  # the common case: no slicing on the hot path
         if q_mask is not None:
-            extra["q_mask"] = _mask_arg(q_mask[:, start:stop])
+            extra["q_mask"] = q_mask if whole else q_mask[:, start:stop]
         if argmax is not None:
-            extra["argmax"] = argmax[..., start:stop]
+            extra["argmax"] = argmax if whole else argmax[..., start:stop]
         target = out if start == 0 else torch.empty_like(out)
-        module.launch(target, Q[:, start:stop], D, config=config, **extra)
+        module.launch(target, Q if whole else Q[:, start:stop], D, config=config, **extra)
         if start > 0:
             out += target
     return out
@@ -135,9 +140,11 @@ def backward(
     grad_q_chunks, grad_d = [], None
     for start, stop in _chunks(lq):
         config = _config(name, module, Q, stop - start, grad_out.numel())
-        gq, gd = module.backward(
-            grad_out, argmax[..., start:stop], Q[:, start:stop], D, config=config
-        )
+        if stop - start == lq:
+            gq, gd = module.backward(grad_out, argmax, Q, D, config=config)
+        else:
+            chunk_q, chunk_argmax = Q[:, start:stop], argmax[..., start:stop]
+            gq, gd = module.backward(grad_out, chunk_argmax, chunk_q, D, config=config)
         grad_q_chunks.append(gq)
         grad_d = gd if grad_d is None else grad_d + gd
     grad_q = grad_q_chunks[0] if len(grad_q_chunks) == 1 else torch.cat(grad_q_chunks, dim=1)

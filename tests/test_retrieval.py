@@ -60,8 +60,8 @@ def test_integer_scores_exact_with_ties(integer_case, top_k, chunk):
     scores, indices = retrieve(Q, D, top_k, normalize=False, chunk=chunk)
     expected_scores, expected_indices = reference_top_k(full, min(top_k, D.shape[0]))
     assert indices.dtype == torch.int64 and scores.dtype == torch.float32
-    assert torch.equal(indices.cpu(), expected_indices)
-    assert torch.equal(scores.cpu(), expected_scores)
+    assert torch.equal(indices.cpu(), expected_indices.cpu())
+    assert torch.equal(scores.cpu(), expected_scores.cpu())
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
@@ -69,8 +69,8 @@ def test_smallest_scores_exact_with_ties(integer_case, chunk):
     Q, D, full = integer_case
     scores, indices = retrieve(Q, D, 6, normalize=False, chunk=chunk, largest=False)
     expected_scores, expected_indices = reference_top_k(full, 6, largest=False)
-    assert torch.equal(indices.cpu(), expected_indices)
-    assert torch.equal(scores.cpu(), expected_scores)
+    assert torch.equal(indices.cpu(), expected_indices.cpu())
+    assert torch.equal(scores.cpu(), expected_scores.cpu())
 
 
 def test_ties_really_occur(integer_case):
@@ -197,3 +197,15 @@ def test_merge_top_k_orders_signed_zeros_infinities_and_ties():
     assert best_scores.tolist() == [[float("inf"), 3.0, 3.0, 0.0, 0.0, -1.5, float("-inf")]]
     low_scores, low_ids = merge_top_k([(scores, ids)], 3, largest=False)
     assert low_ids.tolist() == [[1, 7, 2]] and low_scores.tolist() == [[float("-inf"), -1.5, 0.0]]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_merge_top_k_in_small_key_blocks(monkeypatch, largest):
+    # Wide candidate lists are encoded a block at a time; blocks of 2 columns exercise it.
+    monkeypatch.setattr(retrieval_module, "KEY_BLOCK_ELEMENTS", 6)
+    generator = torch.Generator().manual_seed(9)
+    scores = torch.randint(-3, 4, (3, 40), generator=generator).float()  # many ties
+    ids = torch.arange(40).expand(3, -1)
+    best_scores, best_ids = merge_top_k([(scores, ids)], 11, largest=largest)
+    expected_scores, expected_ids = reference_top_k(scores, 11, largest=largest)
+    assert torch.equal(best_ids, expected_ids) and torch.equal(best_scores, expected_scores)

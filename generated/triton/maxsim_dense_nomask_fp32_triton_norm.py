@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 977ef9d3999d7cb606604517171a791ed62c777bd982e008af3514e4087406bf
+# body-sha256: 5dcd1f4575ef554998aec64aa74951f863594775520b06b02db7dc6e79c26045
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -97,7 +97,7 @@ def cdiv(a, b):
 def _dot_config(config):
     if config.interpret:
         return tl.float32, "ieee"
-    return tl.float32, "tf32"
+    return tl.float32, "tf32x3"
 
 
 def forward_grid(Nq, Nd):

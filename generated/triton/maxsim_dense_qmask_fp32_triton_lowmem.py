@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2445980259e43c1b278e34e520c03fb4cb1a5ac5b2c9f921ebe00a1079581277
+# body-sha256: 34ca8e01e85a6ff2eb642fd327d502a837ad28660f69fb54c4f0092a56ef3ce0
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -222,7 +222,7 @@ def cdiv(a, b):
 def _dot_config(config):
     if config.interpret:
         return tl.float32, "ieee"
-    return tl.float32, "tf32"
+    return tl.float32, "tf32x3"
 
 
 def forward_grid(Nq, Nd):

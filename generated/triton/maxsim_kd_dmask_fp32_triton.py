@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5266df6d849118f963401b3f4492c08c7b169b90295f5036425c7133aeeeda8b
+# body-sha256: 5fffa9f40d108eac911376555b28ee4bf9f11d53c868fbd3d7c7d38d2d3cec98
 
 """MaxSim forward for maxsim_kd_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -95,7 +95,7 @@ def cdiv(a, b):
 def _dot_config(config):
     if config.interpret:
         return tl.float32, "ieee"
-    return tl.float32, "tf32"
+    return tl.float32, "tf32x3"
 
 
 def forward_grid(Nq, K):

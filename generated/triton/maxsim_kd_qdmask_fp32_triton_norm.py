@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8ecc71a56535de65f36b1fcf85271d3e3257e241e893e38fcf17c57286879213
+# body-sha256: 13d55b076909439bfb365c3f38fdb2c5b03537ca8afd697ae74c759746cd0351
 
 """MaxSim forward for maxsim_kd_qdmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -109,7 +109,7 @@ def cdiv(a, b):
 def _dot_config(config):
     if config.interpret:
         return tl.float32, "ieee"
-    return tl.float32, "tf32"
+    return tl.float32, "tf32x3"
 
 
 def forward_grid(Nq, K):

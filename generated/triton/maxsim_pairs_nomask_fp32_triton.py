@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d7e10c17a77f4645072452954a3ed1804874900526b6efe1978fcd131932c632
+# body-sha256: 0bcd3e9964af62eb935ea3b2843daa22cc39f4a4c40f217ce0d41329f1b6f23a
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -84,7 +84,7 @@ def cdiv(a, b):
 def _dot_config(config):
     if config.interpret:
         return tl.float32, "ieee"
-    return tl.float32, "tf32"
+    return tl.float32, "tf32x3"
 
 
 def forward_grid(B):

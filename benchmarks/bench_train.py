@@ -1,0 +1,207 @@
+"""Training (forward + backward) MaxSim: lik's unified and lowmem backwards against the
+peers and eager PyTorch, time and peak memory, in one run on one card.
+
+Each step scores L2-normalized bf16 inputs, weights the scores with a fixed random
+matrix (a stand-in for a loss) and backpropagates to Q and D. Gradients are checked
+against a float64 reference before anything is timed.
+
+    python3 benchmarks/bench_train.py --out DIR [--shapes inbatch-256,kd-64x32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    attempt,
+    bench_ms,
+    environment_info,
+    format_ms,
+    format_ratio,
+    gpu_name,
+    gpu_tag,
+    markdown_table,
+    normalized_tokens,
+    peak_extra_memory_mib,
+    relative_error,
+    release_cached_memory,
+    write_json,
+    write_speedup_plot,
+)
+
+# (name, Nq, docs per query or Nd, Lq, Ld, d, layout)
+SHAPES = [
+    ("inbatch-256", 256, 256, 32, 300, 128, "dense"),
+    ("colpali-32", 32, 32, 128, 1024, 128, "dense"),
+    ("kd-64x32", 64, 32, 32, 300, 128, "kd"),
+]
+TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
+GRADIENT_TOLERANCE = 2e-2  # bf16 gradients, one rounding each, against float64
+
+
+def make_inputs(layout, nq, nd, lq, ld, d, seed):
+    q = normalized_tokens(nq, lq, d, device="cuda", seed=seed)
+    if layout == "kd":
+        docs = normalized_tokens(nq * nd, ld, d, device="cuda", seed=seed + 1).view(nq, nd, ld, d)
+    else:
+        docs = normalized_tokens(nd, ld, d, device="cuda", seed=seed + 1)
+    weights = torch.randn(nq, nd, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    return q, docs, weights
+
+
+def eager_scores(q, docs, layout):
+    spec = "qsd,qntd->qnst" if layout == "kd" else "qsd,ntd->qnst"
+    return torch.einsum(spec, q, docs).amax(dim=-1).sum(dim=-1, dtype=torch.float32)
+
+
+def build(key: str, layout: str) -> Callable:
+    """scores(q, docs) with autograd, for one implementation."""
+    if key.startswith("lik"):
+        from lik.runtime import maxsim
+
+        strategy = key.split("-", 1)[1]
+        return lambda q, docs: maxsim(q, docs, backward=strategy)
+    if key.startswith("LIK"):
+        from late_interaction_kernels import maxsim as lik045
+
+        strategy = key.split("-", 1)[1]
+        return lambda q, docs: lik045(q, docs, backward=strategy)
+    if key == "flash":
+        from flash_maxsim import flash_maxsim_batched_train
+
+        shared = layout != "kd"
+        return lambda q, docs: flash_maxsim_batched_train(q, docs, shared_docs=shared)
+    if key == "eager":
+        return lambda q, docs: eager_scores(q, docs, layout)
+    raise KeyError(key)
+
+
+IMPLEMENTATIONS = ["lik-auto", "lik-unified", "lik-lowmem", "LIK-unified", "LIK-lowmem",
+                   "flash", "eager"]  # fmt: skip
+PEERS = ["LIK-unified", "LIK-lowmem", "flash"]
+
+
+def step(scores: Callable, q, docs, weights):
+    """One forward + backward; returns the gradients (so peak memory counts them)."""
+    q.grad = docs.grad = None
+    (scores(q, docs) * weights).sum().backward()
+    return q.grad, docs.grad
+
+
+def reference_gradients(q, docs, weights, layout):
+    from lik.runtime.reference import maxsim_reference
+
+    q64 = q.detach().double().requires_grad_()
+    d64 = docs.detach().double().requires_grad_()
+    (maxsim_reference(q64, d64) * weights.double()).sum().backward()
+    return q64.grad, d64.grad
+
+
+def measure(key, layout, q, docs, weights, reference, timing) -> dict:
+    scores, error = attempt(lambda: build(key, layout))
+    if error:
+        return {"error": error}
+    grads, error = attempt(lambda: step(scores, q, docs, weights))
+    if error:
+        return {"error": error}
+    errors = [relative_error(g, r) for g, r in zip(grads, reference, strict=True)]
+    result = {"grad_q_err": errors[0], "grad_d_err": errors[1],
+              "parity_ok": max(errors) < GRADIENT_TOLERANCE}  # fmt: skip
+    timed, error = attempt(lambda: bench_ms(lambda: step(scores, q, docs, weights), **timing))
+    if error:
+        return {**result, "error": error}
+    q.grad = docs.grad = None  # the baseline must not hold the previous step's gradients
+    peak, error = attempt(lambda: peak_extra_memory_mib(lambda: step(scores, q, docs, weights)))
+    return {**result, "ms": timed, "peak_mib": peak, "error": error}
+
+
+def run(args) -> dict:
+    timing = TIMING["quick" if args.quick else "full"]
+    wanted = set(args.shapes.split(",")) if args.shapes else None
+    report = {"env": environment_info(["late-interaction-kernels", "flash-maxsim"]),
+              "gpu": gpu_name(), "shapes": []}  # fmt: skip
+    for name, nq, nd, lq, ld, d, layout in SHAPES:
+        if wanted and name not in wanted:
+            continue
+        print(f"[{name}] {nq}, {nd}, {lq}, {ld}, {d} ({layout})", flush=True)
+        q, docs, weights = make_inputs(layout, nq, nd, lq, ld, d, seed=11)
+        q.requires_grad_()
+        docs.requires_grad_()
+        reference = reference_gradients(q, docs, weights, layout)
+        record = {"name": name, "dims": [nq, nd, lq, ld, d], "layout": layout, "results": {}}
+        for key in IMPLEMENTATIONS:
+            result = measure(key, layout, q, docs, weights, reference, timing)
+            record["results"][key] = result
+            print(f"  {key:12s} {format_ms(result.get('ms'))} ms, "
+                  f"{format_ms(result.get('peak_mib'))} MiB, grad err "
+                  f"{result.get('grad_q_err', float('nan')):.1e}/"
+                  f"{result.get('grad_d_err', float('nan')):.1e} {result.get('error') or ''}",
+                  flush=True)  # fmt: skip
+            release_cached_memory()
+        report["shapes"].append(record)
+        del q, docs, weights, reference
+        release_cached_memory()
+    return report
+
+
+def markdown(report: dict) -> str:
+    headers = ["shape", *IMPLEMENTATIONS, "lik best vs faster peer"]
+    rows = []
+    for record in report["shapes"]:
+        results = record["results"]
+        cells = []
+        for key in IMPLEMENTATIONS:
+            r = results[key]
+            ok = "" if r.get("parity_ok", False) else " (parity FAIL)"
+            cells.append(f"{format_ms(r.get('ms'))} / {format_ms(r.get('peak_mib'))}{ok}"
+                         if r.get("ms") else f"error: {r.get('error', '')[:60]}")  # fmt: skip
+        lik_best = min((results[k]["ms"] for k in IMPLEMENTATIONS[:3] if results[k].get("ms")),
+                       default=None)  # fmt: skip
+        peer_best = min((results[k]["ms"] for k in PEERS if results[k].get("ms")), default=None)
+        ratio = peer_best / lik_best if lik_best and peer_best else None
+        rows.append([f"{record['name']} {tuple(record['dims'])}", *cells, format_ratio(ratio)])
+    return (f"# Training forward + backward on {report['gpu']}\n\n"
+            "Cells: median ms / peak MiB above inputs (gradients included), same run.\n\n"
+            + markdown_table(headers, rows) + "\n")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shapes", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_train needs a CUDA GPU", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = run(args)
+    stem = f"train_{gpu_tag(report['gpu'])}"
+    write_json(args.out / f"{stem}.json", report)
+    text = markdown(report)
+    (args.out / f"{stem}.md").write_text(text)
+    series = {}
+    for peer in PEERS + ["eager"]:
+        series[f"vs {peer}"] = []
+        for record in report["shapes"]:
+            lik = record["results"]["lik-auto"].get("ms")
+            other = record["results"][peer].get("ms")
+            series[f"vs {peer}"].append(other / lik if lik and other else None)
+    write_speedup_plot(
+        args.out / f"{stem}.png",
+        [r["name"] for r in report["shapes"]],
+        series,
+        f"lik training speedup (auto backward), {report['gpu']}",
+    )
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
