@@ -13,6 +13,9 @@ from lik.cli import main
 from lik.runtime.retrieval import retrieve
 
 BIN = Path(sys.executable).parent
+# The command runs where retrieve runs in these tests, so results compare bit for bit.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_DEVICE = ["--device", DEVICE]
 
 
 @pytest.fixture
@@ -29,14 +32,22 @@ def files(tmp_path, monkeypatch):
 
 
 def _retrieve_args(*extra: str) -> list[str]:
-    return ["retrieve", "--queries", "q.pt", "--corpus", "d.pt", "--top-k", "3", *extra]
+    return ["retrieve", "--queries", "q.pt", "--corpus", "d.pt", "--top-k", "3", *extra, *ON_DEVICE]
+
+
+def _retrieve_here(Q, D, top_k, d_mask, **kwargs):
+    """retrieve on DEVICE, results on the CPU like the saved ones."""
+    scores, indices = retrieve(
+        Q.to(DEVICE), D.to(DEVICE), top_k, d_mask=d_mask.to(DEVICE), **kwargs
+    )
+    return scores.cpu(), indices.cpu()
 
 
 def test_writes_the_results_of_retrieve(files, capsys):
     Q, D, d_mask = files
     assert main(_retrieve_args("--chunk", "4", "--out", "out/results.pt")) == 0
     saved = torch.load("out/results.pt")
-    scores, indices = retrieve(Q, D, 3, d_mask=d_mask)
+    scores, indices = _retrieve_here(Q, D, 3, d_mask)
     assert torch.equal(saved["indices"], indices) and torch.equal(saved["scores"], scores)
     assert saved["top_k"] == 3 and saved["normalize"] is True
     assert "wrote out/results.pt" in capsys.readouterr().out
@@ -46,8 +57,8 @@ def test_prints_a_top_k_table(files, capsys):
     Q, D, d_mask = files
     main(_retrieve_args("--show", "2"))
     out = capsys.readouterr().out
-    scores, indices = retrieve(Q, D, 3, d_mask=d_mask)
-    assert "top-3 of 9 documents for 3 queries (normalize=True, cpu)" in out
+    scores, indices = _retrieve_here(Q, D, 3, d_mask)
+    assert f"top-3 of 9 documents for 3 queries (normalize=True, {DEVICE})" in out
     header, first = out.splitlines()[1:3]
     assert header.split() == ["query", "rank", "doc", "score"]
     assert first.split() == ["0", "1", str(int(indices[0, 0])), f"{float(scores[0, 0]):.4f}"]
@@ -58,9 +69,9 @@ def test_no_normalize_and_a_single_query(files, tmp_path):
     Q, D, d_mask = files
     torch.save({"embeddings": Q[1]}, tmp_path / "one.pt")
     args = ["retrieve", "--queries", "one.pt", "--corpus", "d.pt", "--top-k", "20"]
-    assert main([*args, "--no-normalize", "--out", "r.pt"]) == 0
+    assert main([*args, "--no-normalize", "--out", "r.pt", *ON_DEVICE]) == 0
     saved = torch.load("r.pt")
-    scores, indices = retrieve(Q[1:2], D, 20, d_mask=d_mask, normalize=False)
+    scores, indices = _retrieve_here(Q[1:2], D, 20, d_mask, normalize=False)
     assert saved["indices"].shape == (1, 9)  # top_k above the corpus size: all 9 docs
     assert torch.equal(saved["indices"], indices) and torch.equal(saved["scores"], scores)
 
