@@ -233,7 +233,7 @@ def _gather_ints(values: list[int], group) -> torch.Tensor:
 def _check_same_query_count(query_counts: list[int]) -> None:
     if len(set(query_counts)) > 1:
         raise ValueError(
-            "every rank must pass the same queries Q; got query counts by rank " f"{query_counts}"
+            f"every rank must pass the same queries Q; got query counts by rank {query_counts}"
         )
 
 
@@ -298,7 +298,7 @@ def retrieve_sharded(
     D_shard: torch.Tensor,
     top_k: int,
     q_mask: torch.Tensor | None = None,
-    d_shard_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
     *,
     normalize: bool = True,
     chunk: int | None = None,
@@ -309,9 +309,10 @@ def retrieve_sharded(
     """retrieve over a corpus split across the ranks of a torch.distributed group.
 
     Every rank passes the same queries Q (and q_mask) and its own shard D_shard
-    [n_rank, Ld, d] (any size, empty included; Ld may differ between ranks). Shards are
-    concatenated in rank order. Each rank scores its shard with retrieve (chunked by
-    `chunk`), then one all-gather of candidates merges them. Every rank returns the same
+    [n_rank, Ld, d] with its d_mask [n_rank, Ld] (any size, empty included; Ld may differ
+    between ranks). Shards are concatenated in rank order. Each rank scores its shard with
+    retrieve (chunked by `chunk`); all-gathers of the candidates (scores and global ids)
+    then merge them, moving only Nq * k values per rank. Every rank returns the same
     (scores [Nq, k], global ids [Nq, k]), equal to retrieve on the concatenated corpus:
     k = min(top_k, total docs), equal scores keep the lower global id. Must be called by
     every rank of `group` (default: the world).
@@ -324,7 +325,7 @@ def retrieve_sharded(
     error, squeeze = None, isinstance(Q, torch.Tensor) and Q.dim() == 2
     try:
         scores, local_ids = retrieve(
-            Q, D_shard, top_k, q_mask, d_shard_mask,
+            Q, D_shard, top_k, q_mask, d_mask,
             normalize=normalize, chunk=chunk, largest=largest, sorted=False,
         )  # fmt: skip
     except Exception as exc:  # re-raised below, once the other ranks know
