@@ -11,6 +11,7 @@ against a float64 reference before anything is timed.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -176,16 +177,29 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="re-render the Markdown table and plot of a saved JSON report",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        write_report(json.loads(args.render.read_text()), args.out)
+        return 0
     if not torch.cuda.is_available():
         print("bench_train needs a CUDA GPU", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    report = run(args)
+    write_report(run(args), args.out)
+    return 0
+
+
+def write_report(report: dict, out: Path) -> None:
     stem = f"train_{gpu_tag(report['gpu'])}"
-    write_json(args.out / f"{stem}.json", report)
+    write_json(out / f"{stem}.json", report)
     text = markdown(report)
-    (args.out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     series = {}
     for peer in PEERS + ["eager"]:
         series[f"vs {peer}"] = []
@@ -194,13 +208,12 @@ def main(argv=None) -> int:
             other = record["results"][peer].get("ms")
             series[f"vs {peer}"].append(other / lik if lik and other else None)
     write_speedup_plot(
-        args.out / f"{stem}.png",
+        out / f"{stem}.png",
         [r["name"] for r in report["shapes"]],
         series,
         f"lik training speedup (auto backward), {report['gpu']}",
     )
     print(text)
-    return 0
 
 
 if __name__ == "__main__":
