@@ -2,10 +2,11 @@
 # One GPU session, run from the repository root with OUT set to an empty folder:
 #   OUT=/some/dir bash benchmarks/gpu_session.sh
 # Installs lik and the peer wheels (no network needed), records the environment, runs
-# the GPU tests, then the forward benchmark. Everything lands flat in $OUT (6 files):
-#   setup.log  gpu_tests.log  bench_forward.log  forward_<GPU>.json/.md/.png
-# Optional: BENCH_ARGS (extra bench_forward.py flags, e.g. "--quick --shapes longdoc"),
-# TEST_TIMEOUT and BENCH_TIMEOUT (seconds), PEERS_DIR (where the wheels install).
+# the GPU tests, then the forward and training benchmarks. Everything lands flat in $OUT
+# (7 files): session.log, forward_<GPU>.json/.md/.png, train_<GPU>.json/.md/.png.
+# Optional: TEST_TARGETS (default "-m gpu tests"), TEST_ARGS (e.g. "-n 14"),
+# BENCH_ARGS / TRAIN_ARGS (extra flags, e.g. "--quick --shapes longdoc"), SKIP_FORWARD,
+# SKIP_TRAIN, TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT (seconds), PEERS_DIR.
 # A failing step is logged and the next one still runs.
 set -uo pipefail
 
@@ -59,28 +60,26 @@ EOF
 }
 
 export PYTHONPATH="$PEERS_DIR${PYTHONPATH:+:$PYTHONPATH}"
-setup 2>&1 | tee "$OUT/setup.log"
+# One log for the whole session: the machine returns at most 8 files.
+exec > >(tee "$OUT/session.log") 2>&1
+setup
 
 echo "== gpu tests (timeout ${TEST_TIMEOUT}s)"
-timeout -k 10 "$TEST_TIMEOUT" python3 -P -m pytest -q -p no:cacheprovider ${TEST_ARGS:-} ${TEST_TARGETS:--m gpu tests} 2>&1 | tee "$OUT/gpu_tests.log"
-echo "pytest exit code ${PIPESTATUS[0]} (5 = no tests collected, 124 = timed out)" |
-    tee -a "$OUT/gpu_tests.log"
+timeout -k 10 "$TEST_TIMEOUT" python3 -P -m pytest -q -p no:cacheprovider ${TEST_ARGS:-} ${TEST_TARGETS:--m gpu tests} 2>&1
+echo "pytest exit code $? (5 = no tests collected, 124 = timed out)"
 
 if [ -z "${SKIP_FORWARD:-}" ]; then
 echo "== forward benchmark (timeout ${BENCH_TIMEOUT}s)"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout -k 10 "$BENCH_TIMEOUT" python3 benchmarks/bench_forward.py --out "$OUT" ${BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/bench_forward.log"
-echo "bench_forward exit code ${PIPESTATUS[0]} (124 = timed out; results so far are kept)" |
-    tee -a "$OUT/bench_forward.log"
+timeout -k 10 "$BENCH_TIMEOUT" python3 benchmarks/bench_forward.py --out "$OUT" ${BENCH_ARGS:-} 2>&1
+echo "bench_forward exit code $? (124 = timed out; results so far are kept)"
 
 fi
 
 if [ -z "${SKIP_TRAIN:-}" ]; then
 echo "== training benchmark"
-timeout -k 10 "${TRAIN_TIMEOUT:-300}" python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} \
-    2>&1 | tee "$OUT/bench_train.log"
-echo "bench_train exit code ${PIPESTATUS[0]}" | tee -a "$OUT/bench_train.log"
+timeout -k 10 "${TRAIN_TIMEOUT:-300}" python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1
+echo "bench_train exit code $?"
 fi
 
 ls -la "$OUT"
