@@ -311,7 +311,13 @@ def _grid_call_params(
     return ()
 
 
-def plan(variant: Variant) -> RenderContext:
+def plan(variant: Variant):
+    """The render context of a variant: a RenderContext for Triton, or the Metal
+    planner's context (lik_gen.plan_metal) for target = "metal"."""
+    if variant.target is Target.METAL:
+        from lik_gen.plan_metal import plan_metal
+
+        return plan_metal(variant)
     if variant.target not in MODULE_TEMPLATE:
         raise PlanError(f"{variant.name}: target {variant.target.value!r} has no templates yet")
     if variant.decompression not in DOC_TILE_HOOK:
