@@ -6,11 +6,36 @@ Importing ``lik`` does not import Triton: kernels are loaded on first use.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from lik.runtime import describe_backend, maxsim, maxsim_pairs
+from lik.runtime import (
+    MaxSimScorer,
+    PackedBatch,
+    describe_backend,
+    maxsim,
+    maxsim_padded,
+    maxsim_pairs,
+    maxsim_varlen,
+    pack_padded,
+    retrieve,
+    retrieve_sharded,
+    score_pairs_packed,
+)
 
 try:
     __version__ = version("lik")
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "describe_backend", "maxsim", "maxsim_pairs"]
+__all__ = [
+    "MaxSimScorer",
+    "PackedBatch",
+    "__version__",
+    "describe_backend",
+    "maxsim",
+    "maxsim_padded",
+    "maxsim_pairs",
+    "maxsim_varlen",
+    "pack_padded",
+    "retrieve",
+    "retrieve_sharded",
+    "score_pairs_packed",
+]

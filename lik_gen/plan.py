@@ -93,12 +93,20 @@ class RenderContext:
     dot_dtype_interpreter: str
     input_precision_device: str
     input_precision_interpreter: str
-    size_names: tuple[str, ...]
+    size_exprs: tuple[KernelArg, ...]
     launcher_args: tuple[str, ...]
+    launcher_keywords: tuple[str, ...]
+    backward_args: tuple[str, ...]
     fwd_args: tuple[KernelArg, ...]
     bwd_args: tuple[KernelArg, ...]
     bwd_q_args: tuple[KernelArg, ...]
     bwd_d_args: tuple[KernelArg, ...]
+    # Size arguments Triton must not specialize on (it would compile one kernel per
+    # divisibility class of Nq, Ld, max_seqlen_q, ...): sizes vary call to call.
+    fwd_dynamic: tuple[str, ...]
+    bwd_dynamic: tuple[str, ...]
+    bwd_q_dynamic: tuple[str, ...]
+    bwd_d_dynamic: tuple[str, ...]
     grid_params: tuple[str, ...]
     unified_grid_params: tuple[str, ...]
     unified_block_n: str
@@ -140,45 +148,53 @@ def _formula(name: str, expr: sympy.Expr, params: tuple[str, ...], doc: str) -> 
 
 
 # Sizes named as the launcher names them.
-Nq, Nd, K, B, Lq, Ld, n_rows = sympy.symbols("Nq Nd K B Lq Ld n_rows", integer=True, positive=True)
+Nq, Nd, K, B, P, Lq, Ld, n_rows = sympy.symbols(
+    "Nq Nd K B P Lq Ld n_rows", integer=True, positive=True
+)
 BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, num_stages = sympy.symbols(
     "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R num_stages", integer=True, positive=True
 )
+_PADDED_Q = (("Nq", "Q.shape[0]"), ("Lq", "Q.shape[1]"), ("dim", "Q.shape[2]"))
+_RAGGED = (("Nq", "cu_seqlens_q.shape[0] - 1"), ("Nd", "cu_seqlens_d.shape[0] - 1"),
+           ("dim", "Q.shape[1]"))  # fmt: skip
 
-# Per layout: size names, output and argmax shapes, docs per query, and the stride axes
-# of D (and its gradient) and of the per-pair tensors (scores, grad_out, argmax rows).
+# Per layout: the launcher's sizes (name, expression), the output and argmax shapes,
+# queries and docs per query, the tensors that locate ragged sequences, and the stride
+# axes of Q, D (and their gradients) and of the per-pair tensors (scores, grad, argmax).
 _LAYOUT = {
     Layout.DENSE: dict(
-        sizes=("Nq", "Nd", "Lq", "Ld", "dim"),
-        queries=Nq,
-        docs=Nd,
-        doc_count=Nd,
-        doc_axes=("b", "t", "k"),
-        pair_axes=("b", "c"),
-        output="[Nq, Nd]",
-        argmax="[Nq, Nd, Lq] int32",
+        sizes=_PADDED_Q + (("Nd", "D.shape[0]"), ("Ld", "D.shape[1]")),
+        queries=Nq, docs=Nd, doc_count=Nd, ragged=(),
+        q_axes=("b", "s", "k"), doc_axes=("b", "t", "k"), pair_axes=("b", "c"),
+        output="[Nq, Nd]", argmax="[Nq, Nd, Lq]",
     ),
     Layout.KD: dict(
-        sizes=("Nq", "K", "Lq", "Ld", "dim"),
-        queries=Nq,
-        docs=K,
-        doc_count=Nq * K,
-        doc_axes=("b", "c", "t", "k"),
-        pair_axes=("b", "c"),
-        output="[Nq, K]",
-        argmax="[Nq, K, Lq] int32",
+        sizes=_PADDED_Q + (("K", "D.shape[1]"), ("Ld", "D.shape[2]")),
+        queries=Nq, docs=K, doc_count=Nq * K, ragged=(),
+        q_axes=("b", "s", "k"), doc_axes=("b", "c", "t", "k"), pair_axes=("b", "c"),
+        output="[Nq, K]", argmax="[Nq, K, Lq]",
     ),
     Layout.PAIRS: dict(
-        sizes=("B", "Lq", "Ld", "dim"),
-        queries=B,
-        docs=sympy.Integer(1),
-        doc_count=B,
-        doc_axes=("b", "t", "k"),
-        pair_axes=("b",),
-        output="[B]",
-        argmax="[B, Lq] int32",
+        sizes=(("B", "Q.shape[0]"), ("Lq", "Q.shape[1]"), ("dim", "Q.shape[2]"),
+               ("Ld", "D.shape[1]")),
+        queries=B, docs=sympy.Integer(1), doc_count=B, ragged=(),
+        q_axes=("b", "s", "k"), doc_axes=("b", "t", "k"), pair_axes=("b",),
+        output="[B]", argmax="[B, Lq]",
     ),
-}
+    Layout.VARLEN: dict(
+        sizes=_RAGGED, queries=Nq, docs=Nd, doc_count=Nd,
+        ragged=("cu_seqlens_q", "cu_seqlens_d"),
+        q_axes=("s", "k"), doc_axes=("t", "k"), pair_axes=("b", "c"),
+        output="[Nq, Nd]", argmax="[Nq, Nd, max_seqlen_q]",
+    ),
+    Layout.PACKED_PAIRS: dict(
+        sizes=(("P", "pair_q_idx.shape[0]"), ("dim", "Q.shape[1]")),
+        queries=P, docs=sympy.Integer(1), doc_count=P,
+        ragged=("cu_seqlens_q", "cu_seqlens_d", "pair_q_idx", "pair_d_idx"),
+        q_axes=("s", "k"), doc_axes=("t", "k"), pair_axes=("b",),
+        output="[P]", argmax="[P, max_seqlen_q]",
+    ),
+}  # fmt: skip
 
 
 def _strides(prefix: str, tensor: str, axes: tuple[str, ...]) -> list[KernelArg]:
@@ -191,8 +207,10 @@ def _strides(prefix: str, tensor: str, axes: tuple[str, ...]) -> list[KernelArg]
 # over, then the token counts and the head dim. Anything else would be a dead argument.
 _KERNEL_SIZES = {
     "fwd": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
-            Layout.PAIRS: ("Lq", "Ld")},
-    "bwd": {Layout.DENSE: ("Nq", "Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
+            Layout.PAIRS: ("Lq", "Ld"), Layout.VARLEN: ("Nq", "max_seqlen_q"),
+            Layout.PACKED_PAIRS: ("max_seqlen_q",)},
+    "bwd": {Layout.DENSE: ("Nq", "Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",),
+            Layout.VARLEN: ("Nq", "Nd", "max_seqlen_q"), Layout.PACKED_PAIRS: ("max_seqlen_q",)},
     "bwd_q": {Layout.DENSE: ("Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
     "bwd_d": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
               Layout.PAIRS: ("Lq", "Ld")},
@@ -202,17 +220,19 @@ _KERNEL_SIZES = {
 def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     """Exactly the arguments each kernel reads, in order, with their launcher expressions."""
     layout, normalize = variant.layout, variant.normalize
-    doc_axes, pair_axes = _LAYOUT[layout]["doc_axes"], _LAYOUT[layout]["pair_axes"]
+    shape = _LAYOUT[layout]
+    doc_axes, pair_axes, q_axes = shape["doc_axes"], shape["pair_axes"], shape["q_axes"]
+    ragged = [KernelArg(name, name) for name in shape["ragged"]]
 
     def sizes(kernel: str) -> list[KernelArg]:
-        return [KernelArg(s, s) for s in _KERNEL_SIZES[kernel][layout] + ("dim",)]
+        return [KernelArg(s, s) for s in _KERNEL_SIZES[kernel].get(layout, ()) + ("dim",)]
 
-    q, q_strides = [KernelArg("Q", "Q")], _strides("q", "Q", ("b", "s", "k"))
+    q, q_strides = [KernelArg("Q", "Q")], _strides("q", "Q", q_axes)
     d, d_strides = [KernelArg("D", "D")], _strides("d", "D", doc_axes)
     grad, grad_strides = [KernelArg("Grad", "grad_out")], _strides("g", "grad_out", pair_axes)
     argmax = [KernelArg("Argmax", "argmax")]
     argmax_strides = _strides("a", "argmax", pair_axes + ("s",))
-    gq, gq_strides = [KernelArg("GQ", "GQ")], _strides("gq", "GQ", ("b", "s", "k"))
+    gq, gq_strides = [KernelArg("GQ", "GQ")], _strides("gq", "GQ", q_axes)
     gd, gd_strides = [KernelArg("GD", "GD")], _strides("gd", "GD", doc_axes)
 
     fwd = q + d
@@ -225,7 +245,7 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
         fwd_strides += _strides("qm", "q_mask", ("b", "s"))
     if variant.mask.has_d:
         fwd_strides += _strides("dm", "d_mask", doc_axes[:-1])
-    fwd += [KernelArg("Out", "out")]
+    fwd += ragged + [KernelArg("Out", "out")]
     fwd_strides += _strides("o", "out", pair_axes)
     if variant.backward is not Backward.NONE:
         fwd += argmax
@@ -238,7 +258,7 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     bwd_d_strides = q_strides + (d_strides if normalize else [])
     return {
         "fwd": tuple(fwd + sizes("fwd") + fwd_strides),
-        "bwd": tuple(q + d + grad + argmax + gq + gd + sizes("bwd") + q_strides + d_strides
+        "bwd": tuple(q + d + ragged + grad + argmax + gq + gd + sizes("bwd") + q_strides + d_strides
                      + grad_strides + argmax_strides + gq_strides + gd_strides),
         "bwd_q": tuple(bwd_q_inputs + gq + sizes("bwd_q") + bwd_q_strides + grad_strides
                        + argmax_strides + gq_strides),
@@ -330,14 +350,19 @@ def plan(variant: Variant):
     if variant.layout not in _LAYOUT:
         raise PlanError(f"{variant.name}: layout {variant.layout.value!r} has no template yet")
     shape = _LAYOUT[variant.layout]
+    if variant.backward is Backward.LOWMEM and variant.layout not in _KERNEL_SIZES["bwd_q"]:
+        raise PlanError(f"{variant.name}: the lowmem backward has no {variant.layout.value} template")
     args = _kernel_args(variant)
     formulas = _formulas(variant)
     blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l"}
-    launcher_args = ["Q", "D"]
+    # Tensors the runtime hands to launch() and backward() by keyword, after Q and D.
+    ragged = shape["ragged"]
+    launcher_args = ["Q", "D", *ragged]
     if variant.mask.has_q:
         launcher_args.append("q_mask")
     if variant.mask.has_d:
         launcher_args.append("d_mask")
+    keywords = ("max_seqlen_q",) if ragged else ()
     backward = variant.backward
     return RenderContext(
         name=variant.name,
@@ -353,15 +378,21 @@ def plan(variant: Variant):
         dot_dtype_interpreter=DOT_DTYPE_INTERPRETER,
         input_precision_device=INPUT_PRECISION_DEVICE[variant.dtype],
         input_precision_interpreter=INPUT_PRECISION_INTERPRETER,
-        size_names=shape["sizes"],
+        size_exprs=tuple(KernelArg(name, expr) for name, expr in shape["sizes"]),
         launcher_args=tuple(launcher_args),
+        launcher_keywords=keywords,
+        backward_args=("Q", "D", *ragged),
         fwd_args=args["fwd"],
         bwd_args=args["bwd"] if backward is Backward.UNIFIED else (),
         bwd_q_args=args["bwd_q"] if backward is Backward.LOWMEM else (),
         bwd_d_args=args["bwd_d"] if backward is Backward.LOWMEM else (),
+        fwd_dynamic=_KERNEL_SIZES["fwd"][variant.layout],
+        bwd_dynamic=_KERNEL_SIZES["bwd"][variant.layout],
+        bwd_q_dynamic=_KERNEL_SIZES["bwd_q"].get(variant.layout, ()),
+        bwd_d_dynamic=_KERNEL_SIZES["bwd_d"].get(variant.layout, ()),
         grid_params=_grid_call_params(formulas, "forward_grid", blocks),
         unified_grid_params=_grid_call_params(formulas, "unified_grid", blocks),
-        unified_block_n="1" if variant.layout is Layout.PAIRS else "config.block_n",
+        unified_block_n="config.block_n" if shape["docs"] != 1 else "1",
         lowmem_q_grid_params=_grid_call_params(formulas, "lowmem_q_grid", blocks),
         lowmem_d_grid_params=_grid_call_params(formulas, "lowmem_d_grid", blocks),
         formulas=formulas,

@@ -1,10 +1,33 @@
 """lik.runtime: MaxSim scoring through generated kernels, picked per call.
 
-Public entries (API.md): maxsim, maxsim_pairs; describe_backend says which path a
-device takes. lik.runtime.reference holds the plain-PyTorch ground truth.
+Public entries (API.md): maxsim, maxsim_pairs (padded batches); maxsim_varlen,
+score_pairs_packed, pack_padded, maxsim_padded (ragged batches); retrieve,
+retrieve_sharded, MaxSimScorer (search). describe_backend says which path a device
+takes; lik.runtime.reference holds the plain-PyTorch ground truth.
 """
 
 from lik.runtime.api import maxsim, maxsim_pairs
 from lik.runtime.dispatch import describe_backend
+from lik.runtime.ragged import (
+    PackedBatch,
+    maxsim_padded,
+    maxsim_varlen,
+    pack_padded,
+    score_pairs_packed,
+)
+from lik.runtime.retrieval import retrieve, retrieve_sharded
+from lik.runtime.scorer import MaxSimScorer
 
-__all__ = ["maxsim", "maxsim_pairs", "describe_backend"]
+__all__ = [
+    "MaxSimScorer",
+    "PackedBatch",
+    "describe_backend",
+    "maxsim",
+    "maxsim_padded",
+    "maxsim_pairs",
+    "maxsim_varlen",
+    "pack_padded",
+    "retrieve",
+    "retrieve_sharded",
+    "score_pairs_packed",
+]

@@ -149,3 +149,53 @@ def backward(
         grad_d = gd if grad_d is None else grad_d + gd
     grad_q = grad_q_chunks[0] if len(grad_q_chunks) == 1 else torch.cat(grad_q_chunks, dim=1)
     return grad_q, grad_d
+
+
+def forward_ragged(
+    layout: str,
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    max_seqlen_q: int,
+    normalize: bool,
+    out: torch.Tensor,
+    *,
+    backward: str = "none",
+    argmax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scores packed sequences (varlen: all pairs; packed_pairs: listed pairs) into `out`.
+
+    The Lq bucket comes from max_seqlen_q, so the many distinct maxima of real batches
+    share a handful of compiled kernels.
+    """
+    if out.numel() == 0 or max_seqlen_q == 0 or D.shape[0] == 0:
+        if argmax is not None:
+            argmax.fill_(-1)
+        return out.zero_()
+    name = variant_name(layout, False, False, normalize, Q.dtype, backward=backward)
+    module = registry.load(name)
+    config = _config(name, module, Q, max_seqlen_q, out.numel())
+    extra = {"argmax": argmax} if argmax is not None else {}
+    module.launch(out, Q, D, **tensors, max_seqlen_q=max_seqlen_q, config=config, **extra)
+    return out
+
+
+def backward_ragged(
+    layout: str,
+    grad_out: torch.Tensor,
+    argmax: torch.Tensor,
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    max_seqlen_q: int,
+    normalize: bool,
+    strategy: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if grad_out.numel() == 0 or max_seqlen_q == 0 or D.shape[0] == 0 or Q.shape[0] == 0:
+        return torch.zeros_like(Q), torch.zeros_like(D)
+    name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)
+    module = registry.load(name)
+    config = _config(name, module, Q, max_seqlen_q, grad_out.numel())
+    return module.backward(
+        grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q, config=config
+    )

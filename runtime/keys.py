@@ -75,7 +75,8 @@ def variant_name(
         (False, True): "dmask",
         (True, True): "qdmask",
     }[(has_q_mask, has_d_mask)]
-    name = f"maxsim_{layout}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
+    layout_token = layout.replace("_", "")  # packed_pairs -> packedpairs
+    name = f"maxsim_{layout_token}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
     if normalize:
         name += "_norm"
     if backward != "none":

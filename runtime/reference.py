@@ -130,3 +130,33 @@ def _kd(Q, D, q_mask, d_mask, normalize):
     if not parts:
         return Q.new_zeros(0, K)
     return torch.cat(parts, dim=0)
+
+
+def score_pairs_packed_reference(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    pair_q_idx: torch.Tensor | None = None,
+    pair_d_idx: torch.Tensor | None = None,
+    layout: str = "packed_pairs",
+    normalize: bool = False,
+) -> torch.Tensor:
+    """Ragged MaxSim over packed tokens: every (query, doc) pair for layout="varlen"
+    ([Nq, Nd]), the listed pairs for "packed_pairs" ([P]). An empty sequence scores 0."""
+    Q, D = _prepare(Q, D, normalize)
+    cu_q, cu_d = cu_seqlens_q.tolist(), cu_seqlens_d.tolist()
+    if layout == "varlen":
+        nq, nd = len(cu_q) - 1, len(cu_d) - 1
+        pairs = [(i, j) for i in range(nq) for j in range(nd)]
+    else:
+        pairs = list(zip(pair_q_idx.tolist(), pair_d_idx.tolist(), strict=True))
+    scores = []
+    for i, j in pairs:
+        q, d = Q[cu_q[i] : cu_q[i + 1]], D[cu_d[j] : cu_d[j + 1]]
+        scores.append(_token_max(q @ d.T, None).sum())
+    out = torch.stack(scores) if scores else Q.new_zeros(0)
+    if layout == "varlen":
+        return out.view(len(cu_q) - 1, len(cu_d) - 1)
+    return out

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6f4fd925181f92ea80b08e01526b3f0158a609152f394886ae05c193605a5802
+# body-sha256: 05baa6f494bba874fffb3ac6659441bb82ef7f61622e76fc0f508f3431495c2a
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -43,7 +43,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     Q,
     D,
@@ -78,13 +78,17 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     # Queries vary fastest, so programs that run together share a document in L2.
     query = pid % Nq
     doc = pid // Nq
-    doc_base = doc * stride_db
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = doc * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -95,13 +99,13 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        t_valid = (offs_t < d_len) & (
+            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
@@ -113,10 +117,11 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
     # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -125,7 +130,7 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_dmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     Q,
     D,
@@ -187,7 +192,7 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_lowmem_bwd_d_kernel(
     Q,
     D,
@@ -290,15 +295,13 @@ def lowmem_d_grid(Nd, Ld, BLOCK_L):
     return (Nd * cdiv(Ld, BLOCK_L),)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    Nd, Ld = D.shape[0], D.shape[1]
-    return Nq, Nd, Lq, Ld, dim
-
-
 def launch(out, Q, D, d_mask, *, argmax, config):
-    """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq] int32."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
@@ -337,7 +340,11 @@ def launch(out, Q, D, d_mask, *, argmax, config):
 
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) written directly in the inputs' dtype by their owner programs."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f269faa1b2a0000bfb446f7d50097803d6473136bedc9a58c9b7b51aaed05661
+# body-sha256: ac5c9c2351addc5f530f93d4daa0bd91e7da99678b6d431ea5e9ec5df972bb31
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_fwd_kernel(
     Q,
     D,
@@ -56,13 +56,17 @@ def maxsim_dense_dmask_fp32_triton_fwd_kernel(
     # Queries vary fastest, so programs that run together share a document in L2.
     query = pid % Nq
     doc = pid // Nq
-    doc_base = doc * stride_db
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = doc * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -71,20 +75,21 @@ def maxsim_dense_dmask_fp32_triton_fwd_kernel(
     d_mask_base = doc * stride_dmb
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        t_valid = (offs_t < d_len) & (
+            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         best = tl.maximum(best, tl.max(sim, axis=1))
 
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
 
 
 def cdiv(a, b):
@@ -107,15 +112,13 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    Nd, Ld = D.shape[0], D.shape[1]
-    return Nq, Nd, Lq, Ld, dim
-
-
 def launch(out, Q, D, d_mask, *, config):
     """Scores into out [Nq, Nd]."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_dense_dmask_fp32_triton_fwd_kernel[forward_grid(Nq, Nd)](
         Q,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b05c5b8118df62f501951fb863f1cc9e8c5868c5684ea47cb9d0520656e05ce4
+# body-sha256: 3d446b80c29899227aa29bf1b543cd27e4a7bb258fb929b30238f4f0bb250402
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_lowmem_fwd_kernel(
     Q,
     D,
@@ -57,13 +57,17 @@ def maxsim_dense_nomask_bf16_triton_lowmem_fwd_kernel(
     # Queries vary fastest, so programs that run together share a document in L2.
     query = pid % Nq
     doc = pid // Nq
-    doc_base = doc * stride_db
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = doc * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -72,11 +76,11 @@ def maxsim_dense_nomask_bf16_triton_lowmem_fwd_kernel(
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = offs_t < Ld
+        t_valid = offs_t < d_len
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
@@ -86,10 +90,11 @@ def maxsim_dense_nomask_bf16_triton_lowmem_fwd_kernel(
         best_index = tl.where(better, start + tile_index, best_index)
         best = tl.where(better, tile_best, best)
 
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
     # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -98,7 +103,7 @@ def maxsim_dense_nomask_bf16_triton_lowmem_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_nomask_bf16_triton_lowmem_bwd_q_kernel(
     D,
     Grad,
@@ -149,7 +154,7 @@ def maxsim_dense_nomask_bf16_triton_lowmem_bwd_q_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_lowmem_bwd_d_kernel(
     Q,
     Grad,
@@ -240,15 +245,13 @@ def lowmem_d_grid(Nd, Ld, BLOCK_L):
     return (Nd * cdiv(Ld, BLOCK_L),)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    Nd, Ld = D.shape[0], D.shape[1]
-    return Nq, Nd, Lq, Ld, dim
-
-
 def launch(out, Q, D, *, argmax, config):
-    """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq] int32."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_dense_nomask_bf16_triton_lowmem_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
@@ -284,7 +287,11 @@ def launch(out, Q, D, *, argmax, config):
 
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) written directly in the inputs' dtype by their owner programs."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)

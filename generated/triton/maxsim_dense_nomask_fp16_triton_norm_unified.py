@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 261a4852eea1aa508cb1a00c7f5457943bfa543be4cd2a5767fd66e980497908
+# body-sha256: 54c93d9102d091d52a177ca08a8908c8353a839ad2e929cd28d71e97422633b4
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -43,7 +43,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel(
     Q,
     D,
@@ -75,13 +75,17 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel(
     # Queries vary fastest, so programs that run together share a document in L2.
     query = pid % Nq
     doc = pid // Nq
-    doc_base = doc * stride_db
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = doc * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -91,12 +95,12 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel(
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = offs_t < Ld
+        t_valid = offs_t < d_len
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
@@ -107,10 +111,11 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel(
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
     # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -119,7 +124,7 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Nd", "Lq"])
 def maxsim_dense_nomask_fp16_triton_norm_unified_bwd_kernel(
     Q,
     D,
@@ -155,23 +160,30 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_bwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     query = pid % Nq
     first_doc = (pid // Nq) * BLOCK_N
+    q_base = query * stride_qb
+    q_len = Lq
+    gq_base = query * stride_gqb
+
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_tile_mask,
         other=0.0,
     ).to(tl.float32)
     q = q * _inv_l2_norm(q)[:, None]
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
     for n in range(BLOCK_N):
-        doc = first_doc + n
         # Past the last doc: read a valid slot, then drop it (g = 0, no winning tokens).
+        doc = first_doc + n
         doc_ok = doc < Nd
         doc = tl.minimum(doc, Nd - 1)
+        d_base = doc * stride_db
+        gd_base = doc * stride_gdb
+
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         g = tl.where(doc_ok, g, 0.0)
         index = tl.load(
@@ -182,18 +194,18 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_bwd_kernel(
         index = tl.where(doc_ok, index, -1)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D + doc * stride_db + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         rows = rows * _inv_l2_norm(rows)[:, None]
         grad_q += g * rows
         tl.atomic_add(
-            GD + doc * stride_gdb + index[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
+            GD + gd_base + index[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
             g * q,
             mask=row_mask,
         )
-    gq_ptrs = GQ + query * stride_gqb + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk
+    gq_ptrs = GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
@@ -251,15 +263,13 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    Nd, Ld = D.shape[0], D.shape[1]
-    return Nq, Nd, Lq, Ld, dim
-
-
 def launch(out, Q, D, *, argmax, config):
-    """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq] int32."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
@@ -296,7 +306,11 @@ def launch(out, Q, D, *, argmax, config):
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) in the inputs' dtype: fp32 atomic accumulation, then one pass that
     casts and applies the normalization Jacobian."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
     maxsim_dense_nomask_fp16_triton_norm_unified_bwd_kernel[unified_grid(Nq, Nd, config.block_n)](

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5dcd1f4575ef554998aec64aa74951f863594775520b06b02db7dc6e79c26045
+# body-sha256: 17ba9e730e0bda37aa7cc1b4fa51d9262b0aafa533c23a4324778c2097715c27
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -31,7 +31,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_norm_fwd_kernel(
     Q,
     D,
@@ -59,13 +59,17 @@ def maxsim_dense_nomask_fp32_triton_norm_fwd_kernel(
     # Queries vary fastest, so programs that run together share a document in L2.
     query = pid % Nq
     doc = pid // Nq
-    doc_base = doc * stride_db
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = doc * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -74,20 +78,21 @@ def maxsim_dense_nomask_fp32_triton_norm_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = offs_t < Ld
+        t_valid = offs_t < d_len
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         best = tl.maximum(best, tl.max(sim, axis=1))
 
     best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
 
 
 def cdiv(a, b):
@@ -110,15 +115,13 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    Nd, Ld = D.shape[0], D.shape[1]
-    return Nq, Nd, Lq, Ld, dim
-
-
 def launch(out, Q, D, *, config):
     """Scores into out [Nq, Nd]."""
-    Nq, Nd, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Nd = D.shape[0]
+    Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_dense_nomask_fp32_triton_norm_fwd_kernel[forward_grid(Nq, Nd)](
         Q,

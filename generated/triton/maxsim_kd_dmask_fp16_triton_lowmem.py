@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 968725091ab82d380242b80a4c05a7ece22641e8c72dbc3d1d50f747dbe5abe6
+# body-sha256: fb4d4d81d562ac8f217a9134330a28d131c1e212b9f4225bedde431adb4f1b47
 
 """MaxSim training (lowmem backward) for maxsim_kd_dmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_dmask_fp16_triton_lowmem_fwd_kernel(
     Q,
     D,
@@ -61,13 +61,17 @@ def maxsim_kd_dmask_fp16_triton_lowmem_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     query = pid // K
     doc = pid % K
-    doc_base = query * stride_db + doc * stride_dc
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = query * stride_db + doc * stride_dc
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -77,12 +81,12 @@ def maxsim_kd_dmask_fp16_triton_lowmem_fwd_kernel(
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        t_valid = (offs_t < d_len) & (
+            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
@@ -93,10 +97,11 @@ def maxsim_kd_dmask_fp16_triton_lowmem_fwd_kernel(
         best_index = tl.where(better, start + tile_index, best_index)
         best = tl.where(better, tile_best, best)
 
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
     # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -105,7 +110,7 @@ def maxsim_kd_dmask_fp16_triton_lowmem_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_dmask_fp16_triton_lowmem_bwd_q_kernel(
     D,
     Grad,
@@ -161,7 +166,7 @@ def maxsim_kd_dmask_fp16_triton_lowmem_bwd_q_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_dmask_fp16_triton_lowmem_bwd_d_kernel(
     Q,
     Grad,
@@ -257,15 +262,13 @@ def lowmem_d_grid(K, Nq, Ld, BLOCK_L):
     return (K * Nq * cdiv(Ld, BLOCK_L),)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    K, Ld = D.shape[1], D.shape[2]
-    return Nq, K, Lq, Ld, dim
-
-
 def launch(out, Q, D, d_mask, *, argmax, config):
-    """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq] int32."""
-    Nq, K, Lq, Ld, dim = _sizes(Q, D)
+    """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    K = D.shape[1]
+    Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_kd_dmask_fp16_triton_lowmem_fwd_kernel[forward_grid(Nq, K)](
         Q,
@@ -306,7 +309,11 @@ def launch(out, Q, D, d_mask, *, argmax, config):
 
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) written directly in the inputs' dtype by their owner programs."""
-    Nq, K, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    K = D.shape[1]
+    Ld = D.shape[2]
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 48765520de6f2f8f7af11289d32a17522d9892afb97c39da3b5cd892d9f3b430
+# body-sha256: a0c402d467d44509713af478c0484af7eb7e9e2aafaec62b77297704266a3691
 
 """MaxSim training (unified backward) for maxsim_kd_qdmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
     Q,
     D,
@@ -64,13 +64,17 @@ def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     query = pid // K
     doc = pid % K
-    doc_base = query * stride_db + doc * stride_dc
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = query * stride_db + doc * stride_dc
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -82,12 +86,12 @@ def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        t_valid = (offs_t < d_len) & (
+            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
@@ -98,10 +102,11 @@ def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
         best_index = tl.where(better, start + tile_index, best_index)
         best = tl.where(better, tile_best, best)
 
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob + doc * stride_oc, score)
     # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -110,7 +115,7 @@ def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qdmask_fp16_triton_unified_bwd_kernel(
     Q,
     D,
@@ -148,22 +153,29 @@ def maxsim_kd_qdmask_fp16_triton_unified_bwd_kernel(
     doc_blocks = tl.cdiv(K, BLOCK_N)
     query = pid // doc_blocks
     first_doc = (pid % doc_blocks) * BLOCK_N
+    q_base = query * stride_qb
+    q_len = Lq
+    gq_base = query * stride_gqb
+
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_tile_mask,
         other=0.0,
     ).to(tl.float32)
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
     for n in range(BLOCK_N):
-        doc = first_doc + n
         # Past the last doc: read a valid slot, then drop it (g = 0, no winning tokens).
+        doc = first_doc + n
         doc_ok = doc < K
         doc = tl.minimum(doc, K - 1)
+        d_base = query * stride_db + doc * stride_dc
+        gd_base = query * stride_gdb + doc * stride_gdc
+
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         g = tl.where(doc_ok, g, 0.0)
         index = tl.load(
@@ -174,25 +186,17 @@ def maxsim_kd_qdmask_fp16_triton_unified_bwd_kernel(
         index = tl.where(doc_ok, index, -1)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D
-            + query * stride_db
-            + doc * stride_dc
-            + index[:, None] * stride_dt
-            + offs_k[None, :] * stride_dk,
+            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         grad_q += g * rows
         tl.atomic_add(
-            GD
-            + query * stride_gdb
-            + doc * stride_gdc
-            + index[:, None] * stride_gdt
-            + offs_k[None, :] * stride_gdk,
+            GD + gd_base + index[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
             g * q,
             mask=row_mask,
         )
-    gq_ptrs = GQ + query * stride_gqb + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk
+    gq_ptrs = GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
@@ -221,15 +225,13 @@ def unified_grid(Nq, K, BLOCK_N):
     return (Nq * cdiv(K, BLOCK_N),)
 
 
-def _sizes(Q, D):
-    Nq, Lq, dim = Q.shape
-    K, Ld = D.shape[1], D.shape[2]
-    return Nq, K, Lq, Ld, dim
-
-
 def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
-    """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq] int32."""
-    Nq, K, Lq, Ld, dim = _sizes(Q, D)
+    """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    K = D.shape[1]
+    Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel[forward_grid(Nq, K)](
         Q,
@@ -274,7 +276,11 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) in the inputs' dtype: fp32 atomic accumulation, then one pass that
     casts."""
-    Nq, K, Lq, Ld, dim = _sizes(Q, D)
+    Nq = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    K = D.shape[1]
+    Ld = D.shape[2]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
     maxsim_kd_qdmask_fp16_triton_unified_bwd_kernel[unified_grid(Nq, K, config.block_n)](

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3b8716907ea9f16d35bd14f10f8d3c589f3213a588cd31f78b7d91c187acca6b
+# body-sha256: 81a425773242dfb1a7fdbe8987f6302bf60bdf0e77e2266ffaa73b500a0e0cc2
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp32_triton_fwd_kernel(
     Q,
     D,
@@ -55,13 +55,17 @@ def maxsim_pairs_qdmask_fp32_triton_fwd_kernel(
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
     query = pid
-    doc_base = query * stride_db
+    q_base = query * stride_qb
+    q_len = Lq
+
+    d_len = Ld
+    d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
+    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -72,20 +76,21 @@ def maxsim_pairs_qdmask_fp32_triton_fwd_kernel(
     d_mask_base = query * stride_dmb
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for start in range(0, Ld, BLOCK_L):
+    for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        t_valid = (offs_t < d_len) & (
+            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         best = tl.maximum(best, tl.max(sim, axis=1))
 
-    # A query token with no valid doc token (fully masked doc, Ld == 0) adds 0.
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    tl.store(Out + query * stride_ob, tl.sum(best, axis=0))
+    score = tl.sum(best, axis=0)
+    tl.store(Out + query * stride_ob, score)
 
 
 def cdiv(a, b):
@@ -108,15 +113,12 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def _sizes(Q, D):
-    B, Lq, dim = Q.shape
-    Ld = D.shape[1]
-    return B, Lq, Ld, dim
-
-
 def launch(out, Q, D, q_mask, d_mask, *, config):
     """Scores into out [B]."""
-    B, Lq, Ld, dim = _sizes(Q, D)
+    B = Q.shape[0]
+    Lq = Q.shape[1]
+    dim = Q.shape[2]
+    Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_pairs_qdmask_fp32_triton_fwd_kernel[forward_grid(B)](
         Q,

@@ -1,0 +1,311 @@
+"""Ragged batches: packed tokens with cumulative offsets, scored without padding.
+
+    maxsim_varlen       every query against every doc            -> [Nq, Nd]
+    score_pairs_packed  an arbitrary list of (query, doc) pairs    -> [P]
+    pack_padded / maxsim_padded  padded rerank batches [B, C] on top of them
+
+Offsets (`cu_seqlens_*`) are int32 [N + 1], starting at 0, non-decreasing, ending at the
+packed length. `max_seqlen_q` sizes the query tile of the kernel and `max_seqlen_d` is
+only a hint: the kernels loop over each document's true length, so a wrong document
+bound costs speed, never tokens. When `max_seqlen_q` is given, the offsets are checked on
+the device (no host sync) and any query longer than the bound scores NaN instead of being
+truncated. When it is omitted, one combined host sync computes both maxima and validates
+the offsets, raising ValueError on bad ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lik.runtime import dispatch, validate
+from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
+from lik.runtime.reference import score_pairs_packed_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """A padded rerank batch repacked for score_pairs_packed (unpacks as a tuple)."""
+
+    Q_packed: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    D_packed: torch.Tensor
+    cu_seqlens_d: torch.Tensor
+    pair_q_idx: torch.Tensor
+    pair_d_idx: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_d: int
+
+    def __iter__(self):
+        return iter(dataclasses.astuple(self))
+
+
+def _packed(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor [total tokens, d], got {type(value)}")
+    if value.dim() != 2:
+        raise ValueError(f"{name} must be [total tokens, d], got shape {tuple(value.shape)}")
+    if value.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be fp32, fp16 or bf16, got {value.dtype}")
+    return value
+
+
+def _offsets(name: str, value: object, total: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 1:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name} must be a 1-D int32 tensor [N + 1], got {got}")
+    if value.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} must be on {device} like the packed tokens, got {value.device}")
+    return value
+
+
+def _indices(name: str, value: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D integer tensor [P]")
+    if value.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} must be on {device} like the packed tokens, got {value.device}")
+    return value
+
+
+def _check_bound(name: str, bound: object) -> int:
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {bound!r}")
+    return bound
+
+
+def _offset_facts(cu: torch.Tensor) -> torch.Tensor:
+    """[longest, first, last, never decreases] as one int64 device tensor: no sync."""
+    lengths = cu[1:] - cu[:-1]
+    if lengths.numel():
+        longest, monotone = lengths.max(), lengths.min() >= 0
+    else:
+        longest, monotone = cu.new_zeros(()), torch.ones((), dtype=torch.bool, device=cu.device)
+    return torch.stack([longest.long(), cu[0].long(), cu[-1].long(), monotone.long()])
+
+
+def _offset_problem(name: str, first: int, last: int, monotone: int, total: int) -> str | None:
+    if first != 0:
+        return f"{name} must start at 0, got {first}"
+    if not monotone:
+        return f"{name} must never decrease (a negative sequence length)"
+    if last != total:
+        return f"{name} must end at the packed length {total}, got {last}"
+    return None
+
+
+def _resolve_bounds(cu_q, cu_d, total_q, total_d, max_seqlen_q, max_seqlen_d):
+    """The query bound, after validating offsets (on the device when a bound is given)."""
+    facts_q, facts_d = _offset_facts(cu_q), _offset_facts(cu_d)
+    if max_seqlen_q is None:
+        # One combined host sync for both maxima and every offset check.
+        (lq, *q_rest), (_, *d_rest) = torch.stack([facts_q, facts_d]).tolist()
+        for name, rest, total in (("cu_seqlens_q", q_rest, total_q),
+                                  ("cu_seqlens_d", d_rest, total_d)):  # fmt: skip
+            problem = _offset_problem(name, *rest, total)
+            if problem:
+                raise ValueError(problem)
+        return lq
+    bound = _check_bound("max_seqlen_q", max_seqlen_q)
+    if max_seqlen_d is not None:
+        _check_bound("max_seqlen_d", max_seqlen_d)
+    for name, facts, total in (("cu_seqlens_q", facts_q, total_q),
+                               ("cu_seqlens_d", facts_d, total_d)):  # fmt: skip
+        valid = (facts[1] == 0) & (facts[2] == total) & (facts[3] == 1)
+        torch._assert_async(valid, f"{name}: must start at 0, never decrease, end at {total}")
+    return bound
+
+
+def _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d):
+    Q = _packed("Q_packed", Q_packed)
+    D = _packed("D_packed", D_packed)
+    validate.same_dtype_and_device(Q, D)
+    validate.head_dims(Q, D)
+    cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, Q.shape[0], Q.device)
+    cu_d = _offsets("cu_seqlens_d", cu_seqlens_d, D.shape[0], D.device)
+    return Q, D, cu_q, cu_d
+
+
+def _check_query_bound(bound: int) -> None:
+    if bound > LQ_CHUNK:
+        raise ValueError(
+            f"max_seqlen_q={bound}: ragged queries longer than {LQ_CHUNK} tokens are not "
+            "supported yet (split them, or use maxsim with a padded batch)"
+        )
+
+
+class _Ragged(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, D, tensors, layout, max_seqlen_q, normalize, backward):
+        out_shape = (
+            (tensors["cu_seqlens_q"].shape[0] - 1, tensors["cu_seqlens_d"].shape[0] - 1)
+            if layout == "varlen"
+            else (tensors["pair_q_idx"].shape[0],)
+        )
+        out = torch.empty(out_shape, dtype=torch.float32, device=Q.device)
+        argmax = None
+        if backward != "none":
+            argmax = torch.empty(out_shape + (max_seqlen_q,), dtype=torch.int32, device=Q.device)
+        dispatch.forward_ragged(layout, Q, D, tensors, max_seqlen_q, normalize, out,
+                                backward=backward, argmax=argmax)  # fmt: skip
+        ctx.save_for_backward(Q, D, argmax)
+        ctx.args = (tensors, layout, max_seqlen_q, normalize, backward)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_scores):
+        Q, D, argmax = ctx.saved_tensors
+        tensors, layout, max_seqlen_q, normalize, backward = ctx.args
+        grad_q, grad_d = dispatch.backward_ragged(
+            layout, grad_scores, argmax, Q, D, tensors, max_seqlen_q, normalize, backward
+        )
+        return grad_q, grad_d, None, None, None, None, None
+
+
+def _score(layout, Q, D, tensors, bound, normalize):
+    if dispatch.backend(Q.device) == "reference":
+        return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize, **tensors)
+    needs_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    return _Ragged.apply(Q, D, tensors, layout, bound, normalize,
+                         "unified" if needs_grad else "none")  # fmt: skip
+
+
+def maxsim_varlen(
+    Q_packed: torch.Tensor,
+    D_packed: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    max_seqlen_q: int | None = None,
+    max_seqlen_d: int | None = None,
+    *,
+    normalize: bool = False,
+) -> torch.Tensor:
+    """MaxSim of every packed query against every packed doc -> [Nq, Nd] fp32.
+
+    Q_packed [sum Lq, d], D_packed [sum Ld, d]; cu_seqlens_* int32 [N + 1]. An empty
+    query or document scores 0 and gets zero gradient. Autograd-aware.
+    """
+    Q, D, cu_q, cu_d = _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d)
+    bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], max_seqlen_q, max_seqlen_d)
+    _check_query_bound(bound)
+    tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d}
+    return _score("varlen", Q, D, tensors, bound, normalize)
+
+
+def score_pairs_packed(
+    Q_packed: torch.Tensor,
+    D_packed: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    pair_q_idx: torch.Tensor,
+    pair_d_idx: torch.Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_d: int | None = None,
+    normalize: bool = False,
+) -> torch.Tensor:
+    """MaxSim of query pair_q_idx[p] against doc pair_d_idx[p] for every p -> [P] fp32.
+
+    One launch for any list of pairs; no [Nq, Nd] buffer. Pair indices must be within
+    [0, Nq) and [0, Nd): checked on the device (no host sync). Autograd-aware.
+    """
+    Q, D, cu_q, cu_d = _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d)
+    q_idx = _indices("pair_q_idx", pair_q_idx, Q.device)
+    d_idx = _indices("pair_d_idx", pair_d_idx, Q.device)
+    if q_idx.shape != d_idx.shape:
+        raise ValueError(
+            f"pair_q_idx and pair_d_idx must have one entry per pair: got {tuple(q_idx.shape)} "
+            f"and {tuple(d_idx.shape)}"
+        )
+    bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], max_seqlen_q, max_seqlen_d)
+    _check_query_bound(bound)
+    if q_idx.numel():
+        nq, nd = cu_q.shape[0] - 1, cu_d.shape[0] - 1
+        in_range = (q_idx.min() >= 0) & (q_idx.max() < nq) & (d_idx.min() >= 0) & (d_idx.max() < nd)
+        torch._assert_async(in_range, "pair_q_idx / pair_d_idx out of range")
+    tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d, "pair_q_idx": q_idx,
+               "pair_d_idx": d_idx}  # fmt: skip
+    return _score("packed_pairs", Q, D, tensors, bound, normalize)
+
+
+def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != rows:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name} must have shape {rows}, got {got}")
+    if value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
+    return value.to(device=device, dtype=torch.int64).clamp(0, limit)
+
+
+def pack_padded(
+    queries: torch.Tensor,
+    documents: torch.Tensor,
+    query_lengths: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    *,
+    validate: bool = False,
+) -> PackedBatch:
+    """Packs a padded rerank batch (query b against its C candidates) for score_pairs_packed.
+
+    queries [B, Lq, d], documents [B, C, Ld, d], query_lengths [B], doc_lengths [B, C].
+    Lengths longer than the padded axis raise with validate=True (one host sync); without
+    it they are clamped to the padded length. Tokens past a length are dropped.
+    """
+    if queries.dim() != 3 or documents.dim() != 4:
+        raise ValueError(
+            f"queries must be [B, Lq, d] and documents [B, C, Ld, d], got "
+            f"{tuple(queries.shape)} and {tuple(documents.shape)}"
+        )
+    B, Lq, d = queries.shape
+    if documents.shape[0] != B or documents.shape[-1] != d:
+        raise ValueError(f"documents must be [B={B}, C, Ld, d={d}], got {tuple(documents.shape)}")
+    C, Ld = documents.shape[1], documents.shape[2]
+    if validate:
+        too_long = torch.stack([(query_lengths > Lq).any(), (doc_lengths > Ld).any()]).tolist()
+        if too_long[0] or too_long[1]:
+            raise ValueError(
+                f"lengths exceed the padded axes (query_lengths <= {Lq}, doc_lengths <= {Ld})"
+            )
+    q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
+    d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device).reshape(-1)
+    q_keep = torch.arange(Lq, device=queries.device)[None, :] < q_len[:, None]
+    d_keep = torch.arange(Ld, device=queries.device)[None, :] < d_len[:, None]
+    zero = torch.zeros(1, dtype=torch.int64, device=queries.device)
+    cu_q = torch.cat([zero, q_len.cumsum(0)]).to(torch.int32)
+    cu_d = torch.cat([zero, d_len.cumsum(0)]).to(torch.int32)
+    pair_q = torch.arange(B, device=queries.device).repeat_interleave(C)
+    pair_d = torch.arange(B * C, device=queries.device)
+    return PackedBatch(
+        Q_packed=queries[q_keep],
+        cu_seqlens_q=cu_q,
+        D_packed=documents.reshape(B * C, Ld, d)[d_keep],
+        cu_seqlens_d=cu_d,
+        pair_q_idx=pair_q,
+        pair_d_idx=pair_d,
+        max_seqlen_q=Lq,
+        max_seqlen_d=Ld,
+    )
+
+
+def maxsim_padded(
+    queries: torch.Tensor,
+    documents: torch.Tensor,
+    query_lengths: torch.Tensor,
+    doc_lengths: torch.Tensor,
+) -> torch.Tensor:
+    """Scores each query's C candidates -> [B, C] fp32, ignoring padding past the lengths."""
+    batch = pack_padded(queries, documents, query_lengths, doc_lengths)
+    B, C = documents.shape[0], documents.shape[1]
+    if B * C == 0:
+        return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
+    scores = score_pairs_packed(
+        batch.Q_packed, batch.D_packed, batch.cu_seqlens_q, batch.cu_seqlens_d,
+        batch.pair_q_idx, batch.pair_d_idx,
+        max_seqlen_q=min(batch.max_seqlen_q, LQ_CHUNK) if batch.max_seqlen_q <= LQ_CHUNK else None,
+        max_seqlen_d=batch.max_seqlen_d,
+    )  # fmt: skip
+    return scores.view(B, C)

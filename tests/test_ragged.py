@@ -1,0 +1,211 @@
+"""Ragged batches (varlen, packed pairs, padded rerank) against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TOLERANCE, relative_error
+
+from lik.runtime import (
+    PackedBatch,
+    dispatch,
+    maxsim_padded,
+    maxsim_varlen,
+    pack_padded,
+    registry,
+    score_pairs_packed,
+)
+from lik.runtime.reference import maxsim_pairs_reference, score_pairs_packed_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETER = DEVICE == "cpu"
+pytestmark = pytest.mark.skipif(
+    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+)
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device=DEVICE)  # fmt: skip
+
+
+def _batch(seed, n_queries, n_docs, dim=24, dtype=torch.float32, max_len=70):
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.randint(0, max_len + 1, (n_queries,), generator=g).tolist()
+    ld = torch.randint(0, max_len + 1, (n_docs,), generator=g).tolist()
+    lq[0], ld[0] = 0, 0  # an empty query and an empty doc in every batch
+    Q = torch.randn(sum(lq), dim, generator=g).to(DEVICE, dtype)
+    D = torch.randn(sum(ld), dim, generator=g).to(DEVICE, dtype)
+    return Q, D, _offsets(lq), _offsets(ld)
+
+
+def _grads(fn, Q, D):
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    out = fn(Qg, Dg)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    (out * weights).sum().backward()
+    return out, Qg.grad, Dg.grad, weights
+
+
+def _reference_grads(Q, D, weights, **kwargs):
+    Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
+    out = score_pairs_packed_reference(Qr, Dr, **kwargs)
+    (out * weights.double()).sum().backward()
+    return out, Qr.grad, Dr.grad
+
+
+def _check(got, want, dtype):
+    bound = 1e-5 if INTERPRETER and dtype == torch.float32 else TOLERANCE[dtype]
+    for g, w in zip(got, want, strict=True):
+        assert relative_error(g, w) < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_varlen_forward_and_gradients(dtype, normalize):
+    Q, D, cu_q, cu_d = _batch(3, 4, 5, dtype=dtype)
+    out, gq, gd, w = _grads(lambda q, d: maxsim_varlen(q, d, cu_q, cu_d, normalize=normalize), Q, D)
+    ref = _reference_grads(Q, D, w, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d, layout="varlen",
+                           normalize=normalize)  # fmt: skip
+    assert out.shape == (4, 5) and torch.all(out[0] == 0) and torch.all(out[:, 0] == 0)
+    _check((out, gq, gd), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_packed_pairs_forward_and_gradients(dtype, normalize):
+    Q, D, cu_q, cu_d = _batch(4, 3, 6, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    pq = torch.randint(0, 3, (9,), generator=g).to(DEVICE)
+    pd = torch.randint(0, 6, (9,), generator=g).to(DEVICE)
+
+    def score(q, d):
+        return score_pairs_packed(q, d, cu_q, cu_d, pq, pd, normalize=normalize)
+
+    out, gq, gd, w = _grads(score, Q, D)
+    ref = _reference_grads(Q, D, w, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d, pair_q_idx=pq,
+                           pair_d_idx=pd, normalize=normalize)  # fmt: skip
+    _check((out, gq, gd), ref, dtype)
+
+
+def test_given_bounds_match_computed_bounds():
+    Q, D, cu_q, cu_d = _batch(6, 3, 4)
+    lq = int((cu_q[1:] - cu_q[:-1]).max())
+    ld = int((cu_d[1:] - cu_d[:-1]).max())
+    computed = maxsim_varlen(Q, D, cu_q, cu_d)
+    given = maxsim_varlen(Q, D, cu_q, cu_d, lq, ld)
+    assert torch.equal(computed, given)
+
+
+def test_a_too_small_query_bound_poisons_instead_of_truncating():
+    Q, D, cu_q, cu_d = _batch(7, 3, 2, max_len=20)
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    bound = max(lengths) - 1
+    out = maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=bound)
+    for i, n in enumerate(lengths):
+        assert torch.isnan(out[i]).all() == (n > bound)
+
+
+def test_a_small_doc_bound_never_drops_tokens():
+    Q, D, cu_q, cu_d = _batch(8, 2, 3)
+    exact = maxsim_varlen(Q, D, cu_q, cu_d)
+    assert torch.equal(maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=70, max_seqlen_d=1), exact)
+
+
+@pytest.mark.parametrize(
+    "offsets, message",
+    [
+        ([0, 5, 3, 9], "cu_seqlens_q must never decrease"),
+        ([1, 5, 9], "cu_seqlens_q must start at 0, got 1"),
+        ([0, 5, 8], "cu_seqlens_q must end at the packed length 9, got 8"),
+    ],
+)
+def test_bad_offsets_raise(offsets, message):
+    Q = torch.randn(9, 16, device=DEVICE)
+    D = torch.randn(4, 16, device=DEVICE)
+    cu_q = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        maxsim_varlen(Q, D, cu_q, _offsets([4]))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a device-side assert poisons the CUDA context")
+def test_bad_offsets_with_given_bounds_fail_on_the_device():
+    Q, D = torch.randn(9, 16, device=DEVICE), torch.randn(4, 16, device=DEVICE)
+    cu_q = torch.tensor([0, 5, 3, 9], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q"):
+        maxsim_varlen(Q, D, cu_q, _offsets([4]), 5, 4)
+
+
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda Q, D, cq, cd: maxsim_varlen(Q[None], D, cq, cd), ValueError, "Q_packed must be"),
+        (lambda Q, D, cq, cd: maxsim_varlen(Q, D, cq.long(), cd), TypeError, "int32"),
+        (lambda Q, D, cq, cd: maxsim_varlen(Q, D[:, :8], cq, cd), ValueError, "head dim"),
+        (lambda Q, D, cq, cd: maxsim_varlen(Q, D, cq, cd, 600), ValueError, "longer than 512"),
+        (lambda Q, D, cq, cd: maxsim_varlen(Q, D, cq, cd, -1), ValueError, "max_seqlen_q"),
+        (lambda Q, D, cq, cd: score_pairs_packed(Q, D, cq, cd, cq[:2].long(), cq[:3].long()),
+         ValueError, "one entry per pair"),
+        (lambda Q, D, cq, cd: score_pairs_packed(Q, D, cq, cd, cq[:2].float(), cq[:2].long()),
+         TypeError, "pair_q_idx must be int32 or int64"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_name_the_argument(call, error, fragment):
+    Q, D, cu_q, cu_d = _batch(9, 2, 2, dim=16)
+    with pytest.raises(error, match=fragment):
+        call(Q, D, cu_q, cu_d)
+
+
+def test_empty_batches():
+    Q, D = torch.randn(0, 16, device=DEVICE), torch.randn(5, 16, device=DEVICE)
+    assert maxsim_varlen(Q, D, _offsets([]), _offsets([5])).shape == (0, 1)
+    assert maxsim_varlen(Q[:0], D[:0], _offsets([0]), _offsets([])).shape == (1, 0)
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    assert score_pairs_packed(Q, D, _offsets([]), _offsets([5]), none, none).shape == (0,)
+
+
+def test_distinct_maxima_share_one_kernel_entry():
+    """Five different max lengths in one Lq bucket reuse one launch-config entry (one
+    compiled kernel: the sizes are not specialized on)."""
+    dispatch._configs.clear()
+    for longest in (17, 20, 23, 29, 31):
+        Q, D, cu_q, cu_d = _batch(longest, 2, 2, max_len=longest)
+        cu_q = _offsets([longest, 3])
+        Q = torch.randn(longest + 3, 24, device=DEVICE)
+        maxsim_varlen(Q, D, cu_q, cu_d)
+    keys = [k for k in dispatch._configs if k[0].startswith("maxsim_varlen")]
+    assert len(keys) == 1
+
+
+def test_pack_padded_and_maxsim_padded_match_masked_pairs():
+    g = torch.Generator().manual_seed(12)
+    B, C, Lq, Ld, dim = 2, 3, 6, 9, 16
+    queries = torch.randn(B, Lq, dim, generator=g).to(DEVICE)
+    documents = torch.randn(B, C, Ld, dim, generator=g).to(DEVICE)
+    q_len = torch.tensor([6, 2], device=DEVICE)
+    d_len = torch.tensor([[9, 0, 4], [1, 9, 7]], device=DEVICE)
+    batch = pack_padded(queries, documents, q_len, d_len)
+    assert isinstance(batch, PackedBatch) and len(tuple(batch)) == 8
+    Q_packed, cu_q, *_ = batch
+    assert Q_packed.shape == (8, dim) and cu_q.tolist() == [0, 6, 8]
+    scores = maxsim_padded(queries, documents, q_len, d_len)
+    q_mask = torch.arange(Lq, device=DEVICE)[None] < q_len[:, None]
+    d_mask = torch.arange(Ld, device=DEVICE)[None, None] < d_len[..., None]
+    expected = torch.stack([
+        maxsim_pairs_reference(queries.double(), documents[:, c].double(), q_mask, d_mask[:, c])
+        for c in range(C)
+    ], dim=1)  # fmt: skip
+    assert relative_error(scores, expected) < 1e-5
+    assert scores[0, 1] == 0
+
+
+def test_pack_padded_validate_rejects_long_lengths():
+    queries, documents = torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="exceed the padded axes"):
+        pack_padded(queries, documents, torch.tensor([5]), torch.tensor([[5, 5]]), validate=True)
+
+
+def test_variants_exist_for_every_ragged_call():
+    for layout in ("varlen", "packedpairs"):
+        for suffix in ("", "_unified"):
+            assert f"maxsim_{layout}_nomask_bf16_triton_norm{suffix}" in registry.names()
