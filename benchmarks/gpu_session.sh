@@ -6,7 +6,8 @@
 # (7 files): session.log, forward_<GPU>.json/.md/.png, train_<GPU>.json/.md/.png.
 # Optional: TEST_TARGETS (default "-m gpu tests"), TEST_ARGS (e.g. "-n 14"),
 # BENCH_ARGS / TRAIN_ARGS (extra flags, e.g. "--quick --shapes longdoc"), SKIP_FORWARD,
-# SKIP_TRAIN, TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT (seconds), PEERS_DIR.
+# SKIP_TRAIN, RUN_RAGGED / RUN_RETRIEVE (extra benchmarks), TEST_TIMEOUT / BENCH_TIMEOUT /
+# TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR.
 # A failing step is logged and the next one still runs.
 set -uo pipefail
 
@@ -81,5 +82,14 @@ echo "== training benchmark"
 timeout -k 10 "${TRAIN_TIMEOUT:-300}" python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1
 echo "bench_train exit code $?"
 fi
+
+for extra in ragged retrieve; do
+    flag="RUN_$(echo "$extra" | tr a-z A-Z)"
+    if [ -n "${!flag:-}" ]; then
+        echo "== $extra benchmark"
+        timeout -k 10 "${EXTRA_TIMEOUT:-200}" python3 "benchmarks/bench_$extra.py" --out "$OUT" 2>&1
+        echo "bench_$extra exit code $?"
+    fi
+done
 
 ls -la "$OUT"
