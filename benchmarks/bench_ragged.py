@@ -71,7 +71,7 @@ def run_pairs(args, timing) -> dict:
         "lik (bounds computed)": lambda: score_pairs_packed(Q, D, cu_q, cu_d, ids, ids),
     }
     try:
-        from late_interaction_kernels import score_pairs_packed as lik045_pairs
+        from late_interaction_kernels.score_pairs import score_pairs_packed as lik045_pairs
 
         calls["LIK 0.4.5 score_pairs_packed"] = lambda: lik045_pairs(
             Q, D, cu_q, cu_d, ids, ids, max_seqlen_q=mq, max_seqlen_d=md

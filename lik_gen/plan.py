@@ -156,7 +156,7 @@ BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, num_stages = sympy.symbols(
 )
 _PADDED_Q = (("Nq", "Q.shape[0]"), ("Lq", "Q.shape[1]"), ("dim", "Q.shape[2]"))
 _RAGGED = (("Nq", "cu_seqlens_q.shape[0] - 1"), ("Nd", "cu_seqlens_d.shape[0] - 1"),
-           ("dim", "Q.shape[1]"))  # fmt: skip
+           ("dim", "Q.shape[1]"), ("total_q", "Q.shape[0]"), ("total_d", "D.shape[0]"))  # fmt: skip
 
 # Per layout: the launcher's sizes (name, expression), the output and argmax shapes,
 # queries and docs per query, the tensors that locate ragged sequences, and the stride
@@ -188,7 +188,7 @@ _LAYOUT = {
         output="[Nq, Nd]", argmax="[Nq, Nd, max_seqlen_q]",
     ),
     Layout.PACKED_PAIRS: dict(
-        sizes=(("P", "pair_q_idx.shape[0]"), ("dim", "Q.shape[1]")),
+        sizes=(("P", "pair_q_idx.shape[0]"),) + _RAGGED,
         queries=P, docs=sympy.Integer(1), doc_count=P,
         ragged=("cu_seqlens_q", "cu_seqlens_d", "pair_q_idx", "pair_d_idx"),
         q_axes=("s", "k"), doc_axes=("t", "k"), pair_axes=("b",),
@@ -207,10 +207,12 @@ def _strides(prefix: str, tensor: str, axes: tuple[str, ...]) -> list[KernelArg]
 # over, then the token counts and the head dim. Anything else would be a dead argument.
 _KERNEL_SIZES = {
     "fwd": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
-            Layout.PAIRS: ("Lq", "Ld"), Layout.VARLEN: ("Nq", "max_seqlen_q"),
-            Layout.PACKED_PAIRS: ("max_seqlen_q",)},
+            Layout.PAIRS: ("Lq", "Ld"),
+            Layout.VARLEN: ("Nq", "max_seqlen_q", "total_q", "total_d"),
+            Layout.PACKED_PAIRS: ("Nq", "Nd", "max_seqlen_q", "total_q", "total_d")},
     "bwd": {Layout.DENSE: ("Nq", "Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",),
-            Layout.VARLEN: ("Nq", "Nd", "max_seqlen_q"), Layout.PACKED_PAIRS: ("max_seqlen_q",)},
+            Layout.VARLEN: ("Nq", "Nd", "total_q"),
+            Layout.PACKED_PAIRS: ("Nq", "Nd", "total_q")},
     "bwd_q": {Layout.DENSE: ("Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
     "bwd_d": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
               Layout.PAIRS: ("Lq", "Ld")},

@@ -42,3 +42,11 @@ def random_mask(shape, p_valid=0.7, device="cpu", *, generator=None):
 
 def poisoned(shape, device="cpu"):
     return torch.full(shape, POISON, dtype=torch.float32, device=device)
+
+
+PADDED_LAYOUTS = ("_dense_", "_kd_", "_pairs_")
+
+
+def padded_variant_names(names):
+    """Variants of the padded layouts (ragged ones have their own tests)."""
+    return [n for n in names if any(layout in n for layout in PADDED_LAYOUTS)]

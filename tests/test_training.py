@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOLERANCE, relative_error
+from helpers import TOLERANCE, padded_variant_names, relative_error
 
 from lik.runtime import api, dispatch, maxsim, maxsim_pairs, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
@@ -17,7 +17,9 @@ TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 pytestmark = pytest.mark.skipif(
     dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
 )
-TRAINING_VARIANTS = [n for n in registry.names() if n.endswith(("_unified", "_lowmem"))]
+TRAINING_VARIANTS = [
+    n for n in padded_variant_names(registry.names()) if n.endswith(("_unified", "_lowmem"))
+]
 
 
 def _gradient_tolerance(dtype):

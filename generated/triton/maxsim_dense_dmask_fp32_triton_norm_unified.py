@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fc9f51bfb0ab96932fe1ad90bed967ac0a8f5894c7f6ee26fcd0b88b2d5b0046
+# body-sha256: a48cefbf27659f4086db66b20e374c79903bb7d1535c2ef7d3fa1cbe847599f1
 
 """MaxSim training (unified backward) for maxsim_dense_dmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -113,7 +113,7 @@ def maxsim_dense_dmask_fp32_triton_norm_unified_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
@@ -122,7 +122,8 @@ def maxsim_dense_dmask_fp32_triton_norm_unified_fwd_kernel(
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob + doc * stride_oc, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (padded positions past Lq are never read).
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
         tl.where(scored, best_index, -1),

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fecd579b0ac1801f73dc1d94899724fcc2a6b352225bc6b1e95442b30d2c2b9d
+# body-sha256: 95bc656a790427f71e1972ed6332ddd1163e8640f02b2895f7f93857e53dfd94
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -98,7 +98,7 @@ def maxsim_dense_qdmask_fp16_triton_lowmem_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
@@ -106,7 +106,8 @@ def maxsim_dense_qdmask_fp16_triton_lowmem_fwd_kernel(
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob + doc * stride_oc, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (padded positions past Lq are never read).
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
         tl.where(scored, best_index, -1),

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4f91c9fdba379917f1d972ceb68208b74c56085a3bd43a72196ab2a873c7b27d
+# body-sha256: 96fe8149f172903e6cf3701563f86cdf644175565693d9f08d48aa76db505493
 
 """MaxSim training (unified backward) for maxsim_dense_qmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -112,7 +112,7 @@ def maxsim_dense_qmask_bf16_triton_norm_unified_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
@@ -121,7 +121,8 @@ def maxsim_dense_qmask_bf16_triton_norm_unified_fwd_kernel(
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob + doc * stride_oc, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (padded positions past Lq are never read).
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
         tl.where(scored, best_index, -1),

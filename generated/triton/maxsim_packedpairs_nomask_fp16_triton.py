@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 453a2c80ba8d3bcd4714527b4ce254840d07ba10e8f8ed28413c5321d710b09f
+# body-sha256: b494020bfcb4bbc25ec9c0efa5234dbbb61038bf02b136ad524c187623c194d6
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp16_triton_fwd_kernel(
     Q,
     D,
@@ -34,7 +34,11 @@ def maxsim_packedpairs_nomask_fp16_triton_fwd_kernel(
     pair_q_idx,
     pair_d_idx,
     Out,
+    Nq,
+    Nd,
     max_seqlen_q,
+    total_q,
+    total_d,
     dim,
     stride_qs,
     stride_qk,
@@ -52,6 +56,12 @@ def maxsim_packedpairs_nomask_fp16_triton_fwd_kernel(
     pair = pid
     query = tl.load(pair_q_idx + pair).to(tl.int64)
     doc = tl.load(pair_d_idx + pair).to(tl.int64)
+    # Pair indices are checked where they are read (no host sync): an out-of-range pair
+    # reads a valid slot, and its score is poisoned below.
+    bad = (query < 0) | (query >= Nq) | (doc < 0) | (doc >= Nd)
+    query = tl.minimum(tl.maximum(query, 0), Nq - 1)
+    doc = tl.minimum(tl.maximum(doc, 0), Nd - 1)
+
     q_start = tl.load(cu_seqlens_q + query).to(tl.int64)
     q_len = tl.load(cu_seqlens_q + query + 1).to(tl.int64) - q_start
     q_base = q_start * stride_qs
@@ -59,6 +69,14 @@ def maxsim_packedpairs_nomask_fp16_triton_fwd_kernel(
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start
     d_base = d_start * stride_dt
+
+    # Offsets are checked where they are read: a negative length, a sequence outside the
+    # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
+    # nothing and poisons the score, instead of truncating or reading out of bounds.
+    bad = bad | (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_len = tl.where(bad, 0, q_len)
+    d_len = tl.where(bad, 0, d_len)
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
@@ -84,9 +102,7 @@ def maxsim_packedpairs_nomask_fp16_triton_fwd_kernel(
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
-    # max_seqlen_q sized the query tile; a longer query would lose tokens, so its score
-    # is poisoned with NaN instead of being silently truncated.
-    score = tl.where(q_len > max_seqlen_q, float("nan"), score)
+    score = tl.where(bad, float("nan"), score)
     tl.store(Out + pair * stride_ob, score)
 
 
@@ -113,7 +129,11 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
 def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max_seqlen_q, config):
     """Scores into out [P]."""
     P = pair_q_idx.shape[0]
+    Nq = cu_seqlens_q.shape[0] - 1
+    Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_packedpairs_nomask_fp16_triton_fwd_kernel[forward_grid(P)](
         Q,
@@ -123,7 +143,11 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
         pair_q_idx,
         pair_d_idx,
         out,
+        Nq,
+        Nd,
         max_seqlen_q,
+        total_q,
+        total_d,
         dim,
         Q.stride(0),
         Q.stride(1),

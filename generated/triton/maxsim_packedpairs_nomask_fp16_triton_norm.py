@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ecb17cb0aaf373cf1b0168f113071b633be77d0d18d3e8d5e2506fd3ebe35435
+# body-sha256: e2940bba576a63c0f68988e3c30144df1f0ebebd406cc9a0c05a129e3651d71d
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -31,7 +31,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel(
     Q,
     D,
@@ -40,7 +40,11 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel(
     pair_q_idx,
     pair_d_idx,
     Out,
+    Nq,
+    Nd,
     max_seqlen_q,
+    total_q,
+    total_d,
     dim,
     stride_qs,
     stride_qk,
@@ -58,6 +62,12 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel(
     pair = pid
     query = tl.load(pair_q_idx + pair).to(tl.int64)
     doc = tl.load(pair_d_idx + pair).to(tl.int64)
+    # Pair indices are checked where they are read (no host sync): an out-of-range pair
+    # reads a valid slot, and its score is poisoned below.
+    bad = (query < 0) | (query >= Nq) | (doc < 0) | (doc >= Nd)
+    query = tl.minimum(tl.maximum(query, 0), Nq - 1)
+    doc = tl.minimum(tl.maximum(doc, 0), Nd - 1)
+
     q_start = tl.load(cu_seqlens_q + query).to(tl.int64)
     q_len = tl.load(cu_seqlens_q + query + 1).to(tl.int64) - q_start
     q_base = q_start * stride_qs
@@ -65,6 +75,14 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel(
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start
     d_base = d_start * stride_dt
+
+    # Offsets are checked where they are read: a negative length, a sequence outside the
+    # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
+    # nothing and poisons the score, instead of truncating or reading out of bounds.
+    bad = bad | (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_len = tl.where(bad, 0, q_len)
+    d_len = tl.where(bad, 0, d_len)
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
@@ -93,9 +111,7 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel(
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
-    # max_seqlen_q sized the query tile; a longer query would lose tokens, so its score
-    # is poisoned with NaN instead of being silently truncated.
-    score = tl.where(q_len > max_seqlen_q, float("nan"), score)
+    score = tl.where(bad, float("nan"), score)
     tl.store(Out + pair * stride_ob, score)
 
 
@@ -122,7 +138,11 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
 def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max_seqlen_q, config):
     """Scores into out [P]."""
     P = pair_q_idx.shape[0]
+    Nq = cu_seqlens_q.shape[0] - 1
+    Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel[forward_grid(P)](
         Q,
@@ -132,7 +152,11 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
         pair_q_idx,
         pair_d_idx,
         out,
+        Nq,
+        Nd,
         max_seqlen_q,
+        total_q,
+        total_d,
         dim,
         Q.stride(0),
         Q.stride(1),

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8a8fed3ef684e7c09efd50d97ba872a7fcd93c80b9d76d4d1229ca66e9579a31
+# body-sha256: 81341b4774fc1213d8b43e486e542288f6be2e0ad775a01c72cd0da303f1540a
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     Q,
     D,
@@ -35,7 +35,11 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     pair_d_idx,
     Out,
     Argmax,
+    Nq,
+    Nd,
     max_seqlen_q,
+    total_q,
+    total_d,
     dim,
     stride_qs,
     stride_qk,
@@ -55,6 +59,12 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     pair = pid
     query = tl.load(pair_q_idx + pair).to(tl.int64)
     doc = tl.load(pair_d_idx + pair).to(tl.int64)
+    # Pair indices are checked where they are read (no host sync): an out-of-range pair
+    # reads a valid slot, and its score is poisoned below.
+    bad = (query < 0) | (query >= Nq) | (doc < 0) | (doc >= Nd)
+    query = tl.minimum(tl.maximum(query, 0), Nq - 1)
+    doc = tl.minimum(tl.maximum(doc, 0), Nd - 1)
+
     q_start = tl.load(cu_seqlens_q + query).to(tl.int64)
     q_len = tl.load(cu_seqlens_q + query + 1).to(tl.int64) - q_start
     q_base = q_start * stride_qs
@@ -62,6 +72,14 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start
     d_base = d_start * stride_dt
+
+    # Offsets are checked where they are read: a negative length, a sequence outside the
+    # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
+    # nothing and poisons the score, instead of truncating or reading out of bounds.
+    bad = bad | (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_len = tl.where(bad, 0, q_len)
+    d_len = tl.where(bad, 0, d_len)
 
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
@@ -87,26 +105,25 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
-    # max_seqlen_q sized the query tile; a longer query would lose tokens, so its score
-    # is poisoned with NaN instead of being silently truncated.
-    score = tl.where(q_len > max_seqlen_q, float("nan"), score)
+    score = tl.where(bad, float("nan"), score)
     tl.store(Out + pair * stride_ob, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (and, here, the rest of the row past q_len, up to max_seqlen_q).
     tl.store(
         Argmax + pair * stride_ab + offs_s * stride_as,
         tl.where(scored, best_index, -1),
-        mask=offs_s < tl.minimum(q_len, max_seqlen_q),
+        mask=offs_s < max_seqlen_q,
     )
 
 
-@triton.jit(do_not_specialize=["max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel(
     Q,
     D,
@@ -118,7 +135,9 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel(
     Argmax,
     GQ,
     GD,
-    max_seqlen_q,
+    Nq,
+    Nd,
+    total_q,
     dim,
     stride_qs,
     stride_qk,
@@ -137,11 +156,21 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel(
     pid = tl.program_id(0).to(tl.int64)
     pair = pid
     query = tl.load(pair_q_idx + pair).to(tl.int64)
+    doc = tl.load(pair_d_idx + pair).to(tl.int64)
+    # Pair indices are checked where they are read (no host sync): an out-of-range pair
+    # reads a valid slot, and its score is poisoned below.
+    bad = (query < 0) | (query >= Nq) | (doc < 0) | (doc >= Nd)
+    query = tl.minimum(tl.maximum(query, 0), Nq - 1)
+    doc = tl.minimum(tl.maximum(doc, 0), Nd - 1)
+
     q_start = tl.load(cu_seqlens_q + query).to(tl.int64)
     q_len = tl.load(cu_seqlens_q + query + 1).to(tl.int64) - q_start
     q_base = q_start * stride_qs
     gq_base = q_start * stride_gqs
 
+    # The forward poisoned pairs with bad offsets and wrote no winners for them; reading
+    # no query rows keeps this program in bounds too.
+    q_len = tl.where((q_len < 0) | (q_start < 0) | (q_start + q_len > total_q), 0, q_len)
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
@@ -153,8 +182,7 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel(
         other=0.0,
     ).to(tl.float32)
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
-    for _ in range(0, 1):  # one doc per program: the pair's
-        doc = tl.load(pair_d_idx + pair).to(tl.int64)
+    for _ in range(0, 1):  # one doc per program: the pair's (loaded above)
         d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
         d_base = d_start * stride_dt
         gd_base = d_start * stride_gdt
@@ -162,7 +190,7 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel(
         g = tl.load(Grad + pair * stride_gb)
         index = tl.load(
             Argmax + pair * stride_ab + offs_s * stride_as,
-            mask=offs_s < tl.minimum(q_len, max_seqlen_q),
+            mask=q_in_range,
             other=-1,
         ).to(tl.int64)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
@@ -211,7 +239,11 @@ def launch(
 ):
     """Scores into out [P], winning doc tokens into argmax [P, max_seqlen_q]."""
     P = pair_q_idx.shape[0]
+    Nq = cu_seqlens_q.shape[0] - 1
+    Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel[forward_grid(P)](
         Q,
@@ -222,7 +254,11 @@ def launch(
         pair_d_idx,
         out,
         argmax,
+        Nq,
+        Nd,
         max_seqlen_q,
+        total_q,
+        total_d,
         dim,
         Q.stride(0),
         Q.stride(1),
@@ -259,7 +295,11 @@ def backward(
     """(grad_Q, grad_D) in the inputs' dtype: fp32 atomic accumulation, then one pass that
     casts."""
     P = pair_q_idx.shape[0]
+    Nq = cu_seqlens_q.shape[0] - 1
+    Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
     maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel[unified_grid(P)](
@@ -273,7 +313,9 @@ def backward(
         argmax,
         GQ,
         GD,
-        max_seqlen_q,
+        Nq,
+        Nd,
+        total_q,
         dim,
         Q.stride(0),
         Q.stride(1),

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5cfc51287b03cad65914e2e8933c3b61723f27cad58ffcd40562d39bac2dac97
+# body-sha256: a0b94f8dba09185ab2e35dac36f3657cdda4d750a915186a1233abc190f6b061
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -82,7 +82,7 @@ def maxsim_pairs_nomask_bf16_triton_lowmem_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
@@ -90,7 +90,8 @@ def maxsim_pairs_nomask_bf16_triton_lowmem_fwd_kernel(
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (padded positions past Lq are never read).
     tl.store(
         Argmax + query * stride_ab + offs_s * stride_as,
         tl.where(scored, best_index, -1),

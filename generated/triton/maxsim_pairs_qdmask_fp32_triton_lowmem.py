@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b741b25ce2a6606fa979638d9240d6e985ab5117cd4f30cf0ee3ac55f1899350
+# body-sha256: 3b0535b392eaaf9be859d8e7236979b5f59d725cd92b065feb57508743b84af3
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -93,7 +93,7 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
@@ -101,7 +101,8 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_fwd_kernel(
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (padded positions past Lq are never read).
     tl.store(
         Argmax + query * stride_ab + offs_s * stride_as,
         tl.where(scored, best_index, -1),

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5431441e0be8dde375598532dc0617a0a0ab3f7b8183f500c390c8b8c799d2d6
+# body-sha256: 983e357d246ac8dbb2b8a8f508fe813d34c13e090c48bf9088944a2329860ddc
 
 """MaxSim forward for maxsim_varlen_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -25,7 +25,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit(do_not_specialize=["Nq", "max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_varlen_nomask_fp16_triton_fwd_kernel(
     Q,
     D,
@@ -34,6 +34,8 @@ def maxsim_varlen_nomask_fp16_triton_fwd_kernel(
     Out,
     Nq,
     max_seqlen_q,
+    total_q,
+    total_d,
     dim,
     stride_qs,
     stride_qk,
@@ -60,6 +62,14 @@ def maxsim_varlen_nomask_fp16_triton_fwd_kernel(
     d_len = tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start
     d_base = d_start * stride_dt
 
+    # Offsets are checked where they are read: a negative length, a sequence outside the
+    # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
+    # nothing and poisons the score, instead of truncating or reading out of bounds.
+    bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_len = tl.where(bad, 0, q_len)
+    d_len = tl.where(bad, 0, d_len)
+
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
@@ -84,9 +94,7 @@ def maxsim_varlen_nomask_fp16_triton_fwd_kernel(
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
-    # max_seqlen_q sized the query tile; a longer query would lose tokens, so its score
-    # is poisoned with NaN instead of being silently truncated.
-    score = tl.where(q_len > max_seqlen_q, float("nan"), score)
+    score = tl.where(bad, float("nan"), score)
     tl.store(Out + query * stride_ob + doc * stride_oc, score)
 
 
@@ -115,6 +123,8 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
     Nq = cu_seqlens_q.shape[0] - 1
     Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_varlen_nomask_fp16_triton_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
@@ -124,6 +134,8 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
         out,
         Nq,
         max_seqlen_q,
+        total_q,
+        total_d,
         dim,
         Q.stride(0),
         Q.stride(1),

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b39ffab11f492aca0de0b43d8516f98506a82dbe731b8bde4d90167c30e1832e
+# body-sha256: 13e4530ccf97f83542dcb7bc3b537ac045fc46e1b95b72d7b8193cd95d9015a4
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -43,7 +43,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit(do_not_specialize=["Nq", "max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
     Q,
     D,
@@ -53,6 +53,8 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
     Argmax,
     Nq,
     max_seqlen_q,
+    total_q,
+    total_d,
     dim,
     stride_qs,
     stride_qk,
@@ -82,6 +84,14 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
     d_len = tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start
     d_base = d_start * stride_dt
 
+    # Offsets are checked where they are read: a negative length, a sequence outside the
+    # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
+    # nothing and poisons the score, instead of truncating or reading out of bounds.
+    bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_len = tl.where(bad, 0, q_len)
+    d_len = tl.where(bad, 0, d_len)
+
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
@@ -108,7 +118,7 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
         )
         better = tile_best > best
-        best_index = tl.where(better, start + tile_index, best_index)
+        best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
@@ -116,19 +126,18 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
-    # max_seqlen_q sized the query tile; a longer query would lose tokens, so its score
-    # is poisoned with NaN instead of being silently truncated.
-    score = tl.where(q_len > max_seqlen_q, float("nan"), score)
+    score = tl.where(bad, float("nan"), score)
     tl.store(Out + query * stride_ob + doc * stride_oc, score)
-    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
+    # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
+    # (and, here, the rest of the row past q_len, up to max_seqlen_q).
     tl.store(
         Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
         tl.where(scored, best_index, -1),
-        mask=offs_s < tl.minimum(q_len, max_seqlen_q),
+        mask=offs_s < max_seqlen_q,
     )
 
 
-@triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_varlen_nomask_fp32_triton_norm_unified_bwd_kernel(
     Q,
     D,
@@ -140,7 +149,7 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_bwd_kernel(
     GD,
     Nq,
     Nd,
-    max_seqlen_q,
+    total_q,
     dim,
     stride_qs,
     stride_qk,
@@ -167,6 +176,9 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_bwd_kernel(
     q_base = q_start * stride_qs
     gq_base = q_start * stride_gqs
 
+    # The forward poisoned pairs with bad offsets and wrote no winners for them; reading
+    # no query rows keeps this program in bounds too.
+    q_len = tl.where((q_len < 0) | (q_start < 0) | (q_start + q_len > total_q), 0, q_len)
     offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
@@ -192,7 +204,7 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_bwd_kernel(
         g = tl.where(doc_ok, g, 0.0)
         index = tl.load(
             Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
-            mask=offs_s < tl.minimum(q_len, max_seqlen_q),
+            mask=q_in_range,
             other=-1,
         ).to(tl.int64)
         index = tl.where(doc_ok, index, -1)
@@ -272,6 +284,8 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, argmax, confi
     Nq = cu_seqlens_q.shape[0] - 1
     Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
     maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
@@ -282,6 +296,8 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, argmax, confi
         argmax,
         Nq,
         max_seqlen_q,
+        total_q,
+        total_d,
         dim,
         Q.stride(0),
         Q.stride(1),
@@ -310,6 +326,8 @@ def backward(grad_out, argmax, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q
     Nq = cu_seqlens_q.shape[0] - 1
     Nd = cu_seqlens_d.shape[0] - 1
     dim = Q.shape[1]
+    total_q = Q.shape[0]
+    total_d = D.shape[0]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
     maxsim_varlen_nomask_fp32_triton_norm_unified_bwd_kernel[unified_grid(Nq, Nd, config.block_n)](
@@ -323,7 +341,7 @@ def backward(grad_out, argmax, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q
         GD,
         Nq,
         Nd,
-        max_seqlen_q,
+        total_q,
         dim,
         Q.stride(0),
         Q.stride(1),
