@@ -154,16 +154,27 @@ def _kernel(variant: Variant, role: str, args, units: sympy.Expr, doc: str) -> M
 def _kernels(variant: Variant) -> dict[str, MetalKernel]:
     shape = _LAYOUT[variant.layout]
     args = _kernel_args(variant)
-    kernels = {
-        "forward": _kernel(variant, "forward", args["fwd"], shape["queries"] * shape["docs"],
-                           "one simdgroup per scored (query, doc) pair"),
-    }  # fmt: skip
+    # (role, the shared argument list it takes, its units of work, what a unit is)
+    roles = [
+        (
+            "forward",
+            "fwd",
+            shape["queries"] * shape["docs"],
+            "one simdgroup per scored (query, doc) pair",
+        )
+    ]
     if variant.backward is Backward.LOWMEM:
-        kernels["grad_q"] = _kernel(variant, "grad_q", args["bwd_q"], shape["queries"] * Lq,
-                                    "one simdgroup per query token, owning its gradient row")
-        kernels["grad_d"] = _kernel(variant, "grad_d", args["bwd_d"], shape["doc_count"] * Ld,
-                                    "one simdgroup per doc token, owning its gradient row")  # fmt: skip
-    return kernels
+        roles += [
+            ("grad_q", "bwd_q", shape["queries"] * Lq,
+             "one simdgroup per query token, owning its gradient row"),
+            ("grad_d", "bwd_d", shape["doc_count"] * Ld,
+             "one simdgroup per doc token, owning its gradient row"),
+        ]  # fmt: skip
+    return {role: _kernel(variant, role, args[key], units, doc) for role, key, units, doc in roles}
+
+
+def _arg_entry(arg: MetalArg) -> list:
+    return [arg.name, arg.kind, arg.source] + ([arg.axis] if arg.kind == "stride" else [])
 
 
 def _launch_json(variant: Variant, kernels: dict[str, MetalKernel]) -> str:
@@ -179,7 +190,7 @@ def _launch_json(variant: Variant, kernels: dict[str, MetalKernel]) -> str:
         ' "kernels": {',
     ]
     for i, (role, k) in enumerate(kernels.items()):
-        args = [[a.name, a.kind, a.source] + ([a.axis] if a.kind == "stride" else []) for a in k.args]
+        args = [_arg_entry(a) for a in k.args]
         lines += [f'  "{role}": {{"name": "{k.name}", "simdgroups": "{k.simdgroups}", "args": [']
         lines += [f"   {json.dumps(a)}," for a in args[:-1]] + [f"   {json.dumps(args[-1])}"]
         lines += ["  ]}" + ("," if i < len(kernels) - 1 else "")]
