@@ -6,7 +6,7 @@
 # (7 files): session.log, forward_<GPU>.json/.md/.png, train_<GPU>.json/.md/.png.
 # Optional: TEST_TARGETS (default "-m gpu tests"), TEST_ARGS (e.g. "-n 14"),
 # BENCH_ARGS / TRAIN_ARGS (extra flags, e.g. "--quick --shapes longdoc"), SKIP_FORWARD,
-# SKIP_TRAIN, RUN_RAGGED / RUN_RETRIEVE (extra benchmarks), TEST_TIMEOUT / BENCH_TIMEOUT /
+# SKIP_TRAIN, RUN_TUNE (sweep configs first and use them), RUN_RAGGED / RUN_RETRIEVE, TEST_TIMEOUT / BENCH_TIMEOUT /
 # TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR.
 # A failing step is logged and the next one still runs.
 set -uo pipefail
@@ -64,6 +64,14 @@ export PYTHONPATH="$PEERS_DIR${PYTHONPATH:+:$PYTHONPATH}"
 # One log for the whole session: the machine returns at most 8 files.
 exec > >(tee "$OUT/session.log") 2>&1
 setup
+
+if [ -n "${RUN_TUNE:-}" ]; then
+    echo "== tune (writes \$OUT/<family>.toml, then the installed runtime uses it)"
+    timeout -k 10 "${TUNE_TIMEOUT:-240}" python3 -P -m lik.runtime.tune --out "$OUT" --quick 2>&1
+    echo "tune exit code $?"
+    tables=$(python3 -P -c 'import lik.runtime, os; print(os.path.dirname(lik.runtime.__file__))')/tuning
+    cp "$OUT"/*.toml "$tables"/ && echo "installed $(ls "$OUT"/*.toml) into $tables"
+fi
 
 echo "== gpu tests (timeout ${TEST_TIMEOUT}s)"
 timeout -k 10 "$TEST_TIMEOUT" python3 -P -m pytest -q -p no:cacheprovider ${TEST_ARGS:-} ${TEST_TARGETS:--m gpu tests} 2>&1

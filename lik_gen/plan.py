@@ -151,8 +151,8 @@ def _formula(name: str, expr: sympy.Expr, params: tuple[str, ...], doc: str) -> 
 Nq, Nd, K, B, P, Lq, Ld, n_rows = sympy.symbols(
     "Nq Nd K B P Lq Ld n_rows", integer=True, positive=True
 )
-BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, num_stages = sympy.symbols(
-    "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R num_stages", integer=True, positive=True
+BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, QUERY_GROUP, num_stages = sympy.symbols(
+    "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R QUERY_GROUP num_stages", integer=True, positive=True
 )
 _PADDED_Q = (("Nq", "Q.shape[0]"), ("Lq", "Q.shape[1]"), ("dim", "Q.shape[2]"))
 _RAGGED = (("Nq", "cu_seqlens_q.shape[0] - 1"), ("Nd", "cu_seqlens_d.shape[0] - 1"),
@@ -274,9 +274,15 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     queries, docs = shape["queries"], shape["docs"]
     pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
     element = ELEMENT_BYTES[variant.dtype]
+    if variant.layout is Layout.DENSE:
+        forward_programs = sympy.ceiling(queries / QUERY_GROUP) * docs
+        grid_params, grid_doc = pair_params + ("QUERY_GROUP",), "(group of queries, document)"
+    else:
+        forward_programs = queries * docs
+        grid_params, grid_doc = pair_params, "scored (query, document) pair"
     formulas = [
-        _formula("forward_grid", sympy.Tuple(queries * docs), pair_params,
-                 "Programs of the forward: one per scored (query, document) pair."),
+        _formula("forward_grid", sympy.Tuple(forward_programs), grid_params,
+                 f"Programs of the forward: one per {grid_doc}."),
         _formula("smem_bytes", (num_stages * BLOCK_L + BLOCK_Q) * BLOCK_K * element,
                  ("BLOCK_Q", "BLOCK_L", "BLOCK_K", "num_stages"),
                  "Shared memory of the forward: pipelined doc tiles plus the query tile."),
@@ -356,7 +362,8 @@ def plan(variant: Variant):
         raise PlanError(f"{variant.name}: the lowmem backward has no {variant.layout.value} template")
     args = _kernel_args(variant)
     formulas = _formulas(variant)
-    blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l"}
+    blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l",
+              "QUERY_GROUP": "config.query_group"}  # fmt: skip
     # Tensors the runtime hands to launch() and backward() by keyword, after Q and D.
     ragged = shape["ragged"]
     launcher_args = ["Q", "D", *ragged]

@@ -84,6 +84,14 @@ def variant_name(
     return name
 
 
+MAX_QUERY_GROUP = 8
+
+
+def query_bucket(nq: int) -> int:
+    """How many queries one program could stack: a power of two, at most MAX_QUERY_GROUP."""
+    return min(MAX_QUERY_GROUP, next_power_of_two(max(1, nq)))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelKey:
     variant: str
@@ -91,6 +99,7 @@ class KernelKey:
     head_dim: int  # padded to a power of two
     lq: int  # Lq bucket
     size: str  # size_class of the grid
+    queries: int = 1  # query_bucket(Nq) for layouts that stack queries (dense), else 1
 
     def table_key(self) -> str:
-        return f"{self.variant}|{self.head_dim}|{self.lq}|{self.size}"
+        return f"{self.variant}|{self.head_dim}|{self.lq}|{self.size}|q{self.queries}"

@@ -27,6 +27,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     block_n: int = 8  # docs per program of the unified backward
+    query_group: int = 1  # queries stacked per forward program (dense layout)
     interpret: bool = False
 
 
@@ -39,13 +40,25 @@ def load_table(family: str) -> dict[str, dict[str, int]]:
     return tomllib.loads(resource.read_text()).get("configs", {})
 
 
+# Rows of a stacked query tile: 128 fills a Hopper tensor-core tile (wgmma M = 64 per
+# warpgroup, two warpgroups); one 32-token query alone leaves it three-quarters empty.
+STACKED_ROWS = 128
+
+
+def default_query_group(key: KernelKey) -> int:
+    return max(1, min(key.queries, STACKED_ROWS // key.lq))
+
+
 def default_config(key: KernelKey) -> dict[str, int]:
     if key.family == "interpreter":
         # The interpreter runs whole tiles in numpy: fewer, larger steps are faster.
-        return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4}
+        return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4,
+                "query_group": default_query_group(key)}  # fmt: skip
     block_l = 64 if key.head_dim <= 128 else 32
-    num_warps = 4 if key.lq <= 32 else 8
-    return {"block_l": block_l, "num_warps": num_warps, "num_stages": 3, "block_n": 8}
+    query_group = default_query_group(key)
+    num_warps = 4 if key.lq * query_group <= 32 else 8
+    return {"block_l": block_l, "num_warps": num_warps, "num_stages": 3, "block_n": 8,
+            "query_group": query_group}  # fmt: skip
 
 
 def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
@@ -53,7 +66,9 @@ def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
     entry = load_table(key.family).get(key.table_key()) or default_config(key)
     stages = entry["num_stages"]
     limit = SMEM_LIMIT.get(key.family, DEFAULT_SMEM_LIMIT)
-    while stages > 1 and smem_bytes(key.lq, entry["block_l"], key.head_dim, stages) > limit:
+    query_group = entry.get("query_group", 1)
+    rows = key.lq * query_group
+    while stages > 1 and smem_bytes(rows, entry["block_l"], key.head_dim, stages) > limit:
         stages -= 1
     return LaunchConfig(
         block_q=key.lq,
@@ -62,5 +77,6 @@ def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
         num_warps=entry["num_warps"],
         num_stages=stages,
         block_n=entry.get("block_n", 8),
+        query_group=query_group,
         interpret=key.family == "interpreter",
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3cb8f41986267596571acbe431f3dc08a6b1afb6423a94831d539fd44d044ce3
+# body-sha256: edfb9dabb73f463752ab4dde2fc410d312abf62fbde8813ee17cada6bca058cc
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -72,23 +72,29 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
-    # Queries vary fastest, so programs that run together share a document in L2.
-    query = pid % Nq
-    doc = pid // Nq
+    # QUERY_GROUP queries share each program's doc tiles: their BLOCK_Q-token tiles stack
+    # into one taller matrix operand, so a doc tile is loaded once per group and the
+    # tensor-core tile is QUERY_GROUP times taller than one query's tokens.
+    groups = tl.cdiv(Nq, QUERY_GROUP)
+    group = pid % groups  # groups vary fastest: programs that run together share a doc in L2
+    doc = pid // groups
+    rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
+    query = group * QUERY_GROUP + rows // BLOCK_Q  # one query index per row
+    offs_s = rows % BLOCK_Q
     q_base = query * stride_qb
     q_len = Lq
 
     d_len = Ld
     d_base = doc * stride_db
 
-    offs_s = tl.arange(0, BLOCK_Q)
+    q_in_range = (offs_s < q_len) & (query < Nq)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < q_len
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
@@ -97,8 +103,8 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
     d_mask_base = doc * stride_dmb
 
-    best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
+    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
@@ -120,8 +126,9 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    score = tl.sum(best, axis=0)
-    tl.store(Out + query * stride_ob + doc * stride_oc, score)
+    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
+    group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
+    tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
     # -1 marks tokens that take no gradient: masked query tokens, docs with no valid token
     # (padded positions past Lq are never read).
     tl.store(
@@ -276,9 +283,9 @@ def _dot_config(config):
     return tl.float16, "ieee"
 
 
-def forward_grid(Nq, Nd):
-    """Programs of the forward: one per scored (query, document) pair."""
-    return (Nd * Nq,)
+def forward_grid(Nq, Nd, QUERY_GROUP):
+    """Programs of the forward: one per (group of queries, document)."""
+    return (Nd * cdiv(Nq, QUERY_GROUP),)
 
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
@@ -304,7 +311,7 @@ def launch(out, Q, D, d_mask, *, argmax, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
-    maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel[forward_grid(Nq, Nd)](
+    maxsim_dense_dmask_fp16_triton_norm_lowmem_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
         d_mask,
@@ -334,6 +341,7 @@ def launch(out, Q, D, d_mask, *, argmax, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        QUERY_GROUP=config.query_group,
     )
 
     return out

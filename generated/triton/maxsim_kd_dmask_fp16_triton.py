@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c96d77e20e49e80bbfdafe3f59f44ca2dd70d21c36c87119a1b8e7fedee7b9e4
+# body-sha256: 514bf2aef1bb8bb025b48a8fd1874da626fc5ddc5b4f8b5f445923bcde7d416e
 
 """MaxSim forward for maxsim_kd_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -64,10 +64,10 @@ def maxsim_kd_dmask_fp16_triton_fwd_kernel(
     d_base = query * stride_db + doc * stride_dc
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

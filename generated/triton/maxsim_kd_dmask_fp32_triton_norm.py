@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: be45f577aa0502660437d771d19efc28279af831309ad29280be5d86d8f09643
+# body-sha256: 400cfacdb7313a81cc720d2e5e59b9f509b3ff63e7e6de4fb7a4d02d58c890ec
 
 """MaxSim forward for maxsim_kd_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -70,10 +70,10 @@ def maxsim_kd_dmask_fp32_triton_norm_fwd_kernel(
     d_base = query * stride_db + doc * stride_dc
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 16a059e56c1c9c41301d233dee8f619182a16e445a1256cec6ce76b674afdf7a
+# body-sha256: 0217ae768ce4af45a7596d5a303f1b2fb095807d1f76d8b897a1404340e862cf
 
 """MaxSim forward for maxsim_kd_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -60,10 +60,10 @@ def maxsim_kd_nomask_fp32_triton_fwd_kernel(
     d_base = query * stride_db + doc * stride_dc
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

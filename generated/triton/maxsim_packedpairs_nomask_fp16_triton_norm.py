@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e2940bba576a63c0f68988e3c30144df1f0ebebd406cc9a0c05a129e3651d71d
+# body-sha256: 231bc7a31838f41a9322d407bff04ef51d34609f620bc375dcb2bacc12eb3236
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -85,10 +85,10 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel(
     d_len = tl.where(bad, 0, d_len)
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 50abec3c6fd45e6b61210ec7a513cf8c5fd86213e4771f46d0c8433629ba1dd8
+# body-sha256: f389b78df696705c8dd06f16130c37aed22f8e6adf98616260c09c2ca95715ca
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -79,10 +79,10 @@ def maxsim_packedpairs_nomask_fp32_triton_fwd_kernel(
     d_len = tl.where(bad, 0, d_len)
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 849c84e91818b1099122fbe34d3bd65a21b9a29b3840fadf93d85d8fa98fc9d8
+# body-sha256: 2a4c3859d3bdfcfd28e284b47a90e368b59c89a748048fa82234718b7ac8e56e
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -82,10 +82,10 @@ def maxsim_packedpairs_nomask_fp32_triton_unified_fwd_kernel(
     d_len = tl.where(bad, 0, d_len)
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3c0b82cbd4c36d7910bad3c65cf1b83e2df01ae420b243718c310a9a603a1178
+# body-sha256: 7e0b1e3b73ab0675ea58ed52b17a8ed3a57a669a752ebc91a62e31c5475ea557
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -59,10 +59,10 @@ def maxsim_pairs_dmask_fp32_triton_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

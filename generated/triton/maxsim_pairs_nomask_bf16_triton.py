@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 76bfda967d1ee01d52a44e76d482e75ab66ebcfa501282ba699c85acf910f95b
+# body-sha256: df84333c343f17114401c628320c7f004360a7375122ce39d5bf8226ee3c725b
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -56,10 +56,10 @@ def maxsim_pairs_nomask_bf16_triton_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e2380ccefefce641bbf3374e02b99dcb48abe58d8fe58508310a2c9d9cf6c70a
+# body-sha256: 71502ad6fb2fe0064c5c7bcb6cfd5f9c8381f88b8d4265e3558afb629d0775b0
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -62,10 +62,10 @@ def maxsim_pairs_nomask_bf16_triton_norm_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2dda2d958a4d5b5e33719bc3e149d506e961ec569951e2e833ed3609733bc7a4
+# body-sha256: 644e0ab40fddd20c6caec9eaebd64079aea926bcde64c98e048db3f24dd720d6
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -59,10 +59,10 @@ def maxsim_pairs_nomask_bf16_triton_unified_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1704e20c63b118bf164d4565051deb9795027602ba7355530f0ea1c3f26a1327
+# body-sha256: 0ca9dc42c53b18f68c0bd012aaf2ee589e0e13632389db3d2f9d7ac02eee1803
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -56,10 +56,10 @@ def maxsim_pairs_nomask_fp32_triton_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

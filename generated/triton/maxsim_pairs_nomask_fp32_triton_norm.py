@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 53e4d126658b70b54e0b7955659a6a8f86bf73b5c697f4526888885758186237
+# body-sha256: 5735a6928904c16f13d6d22088b5dd4e0f2ee18aba7a0321a3c2e032fb3bf63d
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -62,10 +62,10 @@ def maxsim_pairs_nomask_fp32_triton_norm_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

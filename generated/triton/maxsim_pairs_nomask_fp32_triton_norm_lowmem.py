@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 02c0bd826feb4aac2dd7b278c50aeeccf9f9bce27e0208d180d9d1d904863f24
+# body-sha256: fa8fc40a6cb9b006009c873f896d7bf39a5d4b7ec0367a7f5fcdd2d58d18f309
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -77,10 +77,10 @@ def maxsim_pairs_nomask_fp32_triton_norm_lowmem_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8294531bc51cf474d6d41b9e4ed3794f71f3fc55b2a301df25b24ba7578458c9
+# body-sha256: 44a7e3262c4b2c39d1b72f5356546e9cacfa226cf00aafcc6cd0a652a0c60ea0
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -62,10 +62,10 @@ def maxsim_pairs_qdmask_bf16_triton_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5cf68622a77b7e4aaa02cf4927b7e5304c94e2b648e91872ed9b1bd0c1128480
+# body-sha256: cbcaacba079eb7de5ae7425a0bc5c2ae30fd694afcf986676bc2944a1770de95
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -83,10 +83,10 @@ def maxsim_pairs_qdmask_bf16_triton_norm_unified_fwd_kernel(
     d_base = query * stride_db
 
     offs_s = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < q_len
+    offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
         mask=q_in_range[:, None] & (offs_k[None, :] < dim),
         other=0.0,
     )
