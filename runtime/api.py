@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lik.runtime import autograd, dispatch, validate
+from lik.runtime import autograd, dispatch, metal, validate
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
@@ -92,8 +92,9 @@ def maxsim(
     if d_mask is not None and squeeze_doc:
         d_mask = d_mask.unsqueeze(0)
 
-    path = dispatch.backend(Q.device)
-    if path == "reference":
+    if metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
+        out = metal.maxsim(layout, Q3, D3, q_mask, d_mask, normalize)
+    elif dispatch.backend(Q.device) == "reference":
         out = maxsim_reference(Q3, D3, q_mask, d_mask, normalize=normalize).float()
     else:
         out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)
@@ -127,6 +128,8 @@ def maxsim_pairs(
     B, Lq, Ld = Q.shape[0], Q.shape[1], D.shape[1]
     q_mask = validate.mask("q_mask", q_mask, (B, Lq), Q.device, "[B, Lq]")
     d_mask = validate.mask("d_mask", d_mask, (B, Ld), D.device, "[B, Ld]")
+    if metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
+        return metal.maxsim("pairs", Q, D, q_mask, d_mask, normalize)
     if dispatch.backend(Q.device) == "reference":
         return maxsim_pairs_reference(Q, D, q_mask, d_mask, normalize=normalize).float()
     return _score("pairs", Q, D, q_mask, d_mask, normalize, backward)

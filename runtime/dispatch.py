@@ -1,24 +1,26 @@
 """Validated call -> device path -> KernelKey -> generated kernel -> launch.
 
 CUDA tensors run the generated Triton kernels; CPU tensors run the reference, or the
-generated kernels under the Triton interpreter when TRITON_INTERPRET=1; other devices
-run the reference until their target lands.
+generated kernels under the Triton interpreter when TRITON_INTERPRET=1; MPS tensors go
+to lik.runtime.metal; other devices run the reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
 import torch
 
-from lik.runtime import registry
+from lik.runtime import metal, registry
 from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
     gpu_family,
     lq_bucket,
     padded_head_dim,
+    query_bucket,
     size_class,
     variant_name,
 )
@@ -39,6 +41,8 @@ def backend(device: torch.device) -> str:
 
 def describe_backend(device: torch.device | str) -> str:
     device = torch.device(device)
+    if metal.handles(device):
+        return metal.describe()
     return {
         "triton": f"generated Triton ({device.type})",
         "interpreter": "generated Triton under the interpreter (cpu)",
@@ -61,16 +65,50 @@ def _chunks(lq: int):
 _configs: dict[tuple, object] = {}
 
 
+def _remember(config, fitted) -> None:
+    """Every cached key that holds `config` gets the config that fitted instead."""
+    for key, value in list(_configs.items()):
+        if value is config:
+            _configs[key] = fitted
+
+
 def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int):
     """The launch config of a call, looked up once per key (a dict hit afterwards: this
     runs on every call, and a rerank kernel takes ~30 us)."""
-    cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs))
+    queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
+    cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries)
     config = _configs.get(cache_key)
     if config is None:
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
-                        lq_bucket(lq), size_class(programs))  # fmt: skip
+                        lq_bucket(lq), size_class(programs), queries)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
     return config
+
+
+def _smaller(config):
+    """The next config down when a launch runs out of shared memory or registers."""
+    if config.query_group > 1:
+        return dataclasses.replace(config, query_group=config.query_group // 2)
+    if config.num_stages > 1:
+        return dataclasses.replace(config, num_stages=config.num_stages - 1)
+    if config.block_l > 16:
+        return dataclasses.replace(config, block_l=config.block_l // 2)
+    return None
+
+
+def _launch(launch, config, *args, **kwargs):
+    """Launches; a config that does not fit this GPU (shared memory estimates are not
+    exact: fp32 tf32x3 dots need more) is shrunk step by step and remembered."""
+    while True:
+        try:
+            return launch(*args, config=config, **kwargs), config
+        except Exception as error:
+            if type(error).__name__ != "OutOfResources":
+                raise
+            smaller = _smaller(config)
+            if smaller is None:
+                raise
+            config = smaller
 
 
 def forward(
@@ -97,6 +135,10 @@ def forward(
         if argmax is not None:
             argmax.fill_(-1)  # no winners; on the kernel path the kernel writes every entry
         return out.zero_()
+    if metal.handles(Q.device):  # MPS: the generated Metal kernels
+        return metal.forward(
+            layout, Q, D, q_mask, d_mask, normalize, out, backward=backward, argmax=argmax
+        )
     name = variant_name(
         layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, backward=backward
     )
@@ -114,7 +156,10 @@ def forward(
         if argmax is not None:
             extra["argmax"] = argmax if whole else argmax[..., start:stop]
         target = out if start == 0 else torch.empty_like(out)
-        module.launch(target, Q if whole else Q[:, start:stop], D, config=config, **extra)
+        _, fitted = _launch(module.launch, config, target, Q if whole else Q[:, start:stop], D,
+                            **extra)  # fmt: skip
+        if fitted is not config:
+            _remember(config, fitted)
         if start > 0:
             out += target
     return out
@@ -135,16 +180,20 @@ def backward(
     lq = Q.shape[1]
     if grad_out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
         return torch.zeros_like(Q), torch.zeros_like(D)
+    if metal.handles(Q.device):  # MPS: the generated Metal kernels
+        return metal.backward(
+            layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, strategy
+        )
     name = variant_name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
     grad_q_chunks, grad_d = [], None
     for start, stop in _chunks(lq):
         config = _config(name, module, Q, stop - start, grad_out.numel())
         if stop - start == lq:
-            gq, gd = module.backward(grad_out, argmax, Q, D, config=config)
+            (gq, gd), _ = _launch(module.backward, config, grad_out, argmax, Q, D)
         else:
             chunk_q, chunk_argmax = Q[:, start:stop], argmax[..., start:stop]
-            gq, gd = module.backward(grad_out, chunk_argmax, chunk_q, D, config=config)
+            (gq, gd), _ = _launch(module.backward, config, grad_out, chunk_argmax, chunk_q, D)
         grad_q_chunks.append(gq)
         grad_d = gd if grad_d is None else grad_d + gd
     grad_q = grad_q_chunks[0] if len(grad_q_chunks) == 1 else torch.cat(grad_q_chunks, dim=1)
@@ -176,7 +225,7 @@ def forward_ragged(
     module = registry.load(name)
     config = _config(name, module, Q, max_seqlen_q, out.numel())
     extra = {"argmax": argmax} if argmax is not None else {}
-    module.launch(out, Q, D, **tensors, max_seqlen_q=max_seqlen_q, config=config, **extra)
+    _launch(module.launch, config, out, Q, D, **tensors, max_seqlen_q=max_seqlen_q, **extra)
     return out
 
 
@@ -196,6 +245,7 @@ def backward_ragged(
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
     config = _config(name, module, Q, max_seqlen_q, grad_out.numel())
-    return module.backward(
-        grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q, config=config
+    grads, _ = _launch(
+        module.backward, config, grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q
     )
+    return grads

@@ -77,8 +77,14 @@ def _encode(scores: torch.Tensor, ids: torch.Tensor, largest: bool) -> torch.Ten
 
     In place where possible: the keys and one temporary, 16 bytes per candidate.
     """
-    # + 0.0 folds -0.0 into 0.0, which compare equal as floats.
-    keys = (scores.float() + 0.0).view(torch.int32).to(torch.int64)
+    # + 0.0 folds -0.0 into 0.0, which compare equal as floats (and makes a copy).
+    values = scores.float() + 0.0
+    # Every NaN becomes the positive quiet NaN, whose key orders above +inf as torch.topk
+    # orders NaN; NaN from arithmetic (inf - inf on x86) has its sign bit set and would
+    # otherwise sort below -inf, hiding a corrupt document from the top of the results.
+    values.masked_fill_(values.isnan(), float("nan"))
+    keys = values.view(torch.int32).to(torch.int64)
+    del values
     # Negative floats order backwards as integers: flip their magnitude bits.
     flip = keys >> 31
     flip &= _SIGN_CLEAR

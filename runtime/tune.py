@@ -47,14 +47,18 @@ NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3)
 
 
-def key_for(Q: torch.Tensor, D: torch.Tensor, name: str, lq: int) -> KernelKey:
-    """The KernelKey dispatch builds for this dense call (see dispatch._config)."""
-    return KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]), lq_bucket(lq),
-                     size_class(Q.shape[0] * D.shape[0]), query_bucket(Q.shape[0]))  # fmt: skip
+def key_for(shape, family: str) -> KernelKey:
+    """The KernelKey dispatch builds for a plain bf16 maxsim(Q, D) call of this shape
+    (see dispatch._config; queries longer than 512 tokens are keyed by their chunk)."""
+    _, nq, nd, lq, _, d = shape
+    name = variant_name("dense", False, False, False, torch.bfloat16)
+    return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, 512)),
+                     size_class(nq * nd), query_bucket(nq))  # fmt: skip
 
 
 def candidates(key: KernelKey):
-    groups = [g for g in (1, 2, 4, 8) if g <= key.queries and g * key.lq <= 2 * STACKED_ROWS]
+    # One query alone is always a candidate; stacking stops at twice a full tile.
+    groups = [1] + [g for g in (2, 4, 8) if g <= key.queries and g * key.lq <= 2 * STACKED_ROWS]
     for block_l, warps, stages, group in itertools.product(BLOCK_L, NUM_WARPS, NUM_STAGES, groups):
         yield LaunchConfig(key.lq, block_l, key.head_dim, warps, stages, query_group=group)
 
@@ -66,10 +70,9 @@ def tune_shape(shape, quick: bool) -> tuple[str, dict] | None:
     g = torch.Generator("cuda").manual_seed(0)
     Q = torch.randn(nq, lq, d, device="cuda", generator=g).to(torch.bfloat16)
     D = torch.randn(nd, ld, d, device="cuda", generator=g).to(torch.bfloat16)
-    name = variant_name("dense", False, False, False, torch.bfloat16)
-    module = registry.load(name)
+    key = key_for(shape, gpu_family(Q.device))
+    module = registry.load(key.variant)
     chunk = min(lq, 512)
-    key = key_for(Q, D, name, chunk)
     Qc = Q[:, :chunk]
     out = torch.empty(nq, nd, device="cuda")
     best, reference = None, None
@@ -91,6 +94,7 @@ def tune_shape(shape, quick: bool) -> tuple[str, dict] | None:
         if best is None or ms < best[0]:
             best = (ms, config)
     if best is None:
+        print(f"[{name_}] {key.table_key()}: no config ran; left to the default", flush=True)
         return None
     ms, config = best
     print(f"[{name_}] {key.table_key()}: {ms:.3f} ms with block_l={config.block_l} "

@@ -1,0 +1,288 @@
+"""Apple GPUs (MPS): the generated Metal kernels, or a fallback outside their envelope.
+
+Each variant's generated/metal/<name>.metal is compiled once per process with
+torch.mps.compile_shader, under a lock; a variant that fails to compile is remembered,
+reported once (a RuntimeWarning) and served by the fallback from then on. The file's
+launch block, written by lik-gen from the plan, lists each kernel's arguments in order
+and its simdgroup count, so this module binds tensors, sizes and strides without knowing
+any variant. Every kernel gives one simdgroup (32 threads) one unit of work.
+
+Envelope of the kernels: head dim a multiple of 8 up to 128, docs shorter than 2**15
+tokens (the saved argmax is int16), and more than a tiny amount of work. Outside it,
+torch.compile of the reference runs (head dims), or the eager reference (tiny shapes).
+LIK_FORCE_MPS_BACKEND=metal|compile|reference pins the path (metal outside its envelope
+raises). Metal has one backward strategy, the destination-owned "lowmem" one: a
+`backward="unified"` request runs it too.
+
+Nothing here has been timed on a Mac: no speed is claimed, and TINY_WORK is a guess.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import json
+import operator
+import os
+import re
+import threading
+import warnings
+
+import torch
+
+from lik.runtime import registry
+from lik.runtime.keys import variant_name
+from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+
+FORCE_ENV = "LIK_FORCE_MPS_BACKEND"
+BACKENDS = ("metal", "compile", "reference")
+MAX_HEAD_DIM = 128  # lik_gen.plan_metal.MAX_HEAD_DIM: a query block's fragments in registers
+HEAD_DIM_MULTIPLE = 8  # the kernels read whole 8-wide simdgroup_matrix tiles
+MAX_DOC_TOKENS = 2**15 - 1  # argmax is int16 (lik.runtime.autograd saves it so)
+# Similarity entries (pairs x Lq x Ld) below which the eager reference runs: a launch,
+# let alone a first compile, cannot pay off there. Not measured: no Mac was at hand.
+TINY_WORK = 4096
+BACKWARD = "lowmem"  # the one Metal backward strategy
+
+_HASH_LINE = re.compile(r"^// body-sha256: ([0-9a-f]{64})\n\n", re.MULTILINE)
+_LAUNCH_BLOCK = re.compile(r"/\* launch:\n(.*?)\n\*/", re.DOTALL)
+
+
+def handles(device: torch.device) -> bool:
+    """True for the devices this module serves (MPS)."""
+    return device.type == "mps"
+
+
+def compile_shader(source: str):
+    """The compile boundary: Metal source -> a library whose attributes are its kernels,
+    each called as kernel(*args, threads=, group_size=)."""
+    return torch.mps.compile_shader(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    library: object
+    launch: dict
+
+
+_lock = threading.Lock()
+_compiled: dict[str, _Compiled] = {}
+_failures: dict[str, str] = {}
+
+
+class MetalCompileError(RuntimeError):
+    pass
+
+
+def describe() -> str:
+    forced = _forced()
+    if forced:
+        return f"{forced} (mps, forced by {FORCE_ENV})"
+    return "generated Metal (mps); torch.compile or reference outside the kernels' envelope"
+
+
+def choose_backend(layout: str, Q: torch.Tensor, D: torch.Tensor) -> str:
+    """'metal', 'compile' or 'reference': the path of a call, before compiling anything."""
+    forced = _forced()
+    reason = _outside_envelope(Q, D)
+    if forced == "metal" and reason:
+        raise ValueError(f"{FORCE_ENV}=metal, but the Metal kernels cannot run this call: {reason}")
+    if forced:
+        return forced
+    if reason:
+        return "compile"
+    if _work(layout, Q, D) < TINY_WORK:
+        return "reference"
+    return "metal"
+
+
+def maxsim(layout: str, Q, D, q_mask, d_mask, normalize: bool) -> torch.Tensor:
+    """Scores of a validated call on an MPS device, by whichever path serves it."""
+    backend = choose_backend(layout, Q, D)
+    training = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    strategy = BACKWARD if training else "none"
+    name = _name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, strategy)
+    if backend == "metal" and not _available(name):
+        if _forced() == "metal":
+            raise MetalCompileError(f"Metal variant {name} did not compile: {_failures[name]}")
+        backend = "compile"
+    if backend == "metal":
+        from lik.runtime import autograd  # not at import: autograd -> dispatch -> metal
+
+        return autograd.score(Q, D, q_mask, d_mask, layout, normalize, strategy)
+    reference = _compiled_reference(layout) if backend == "compile" else _reference(layout)
+    return reference(Q, D, q_mask, d_mask, normalize=normalize).float()
+
+
+def forward(layout, Q, D, q_mask, d_mask, normalize, out, *, backward="none", argmax=None):
+    """Scores into `out`; with a backward strategy, winners into `argmax` (int16, -1: none)."""
+    _check_envelope(Q, D)
+    if argmax is not None and argmax.dtype != torch.int16:
+        raise ValueError(f"the Metal kernels save an int16 argmax, got {argmax.dtype}")
+    strategy = "none" if backward == "none" else BACKWARD
+    name = _name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, strategy)
+    tensors = {"Q": Q, "D": D, "q_mask": _bytes(q_mask), "d_mask": _bytes(d_mask)}
+    _launch(_compile(name), "forward", {**tensors, "out": out, "argmax": argmax})
+    return out
+
+
+def backward(layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, strategy):
+    """(grad_Q, grad_D) in the inputs' dtype, each element written once by its owner."""
+    _check_envelope(Q, D)
+    name = _name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, BACKWARD)
+    compiled = _compile(name)
+    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    tensors = {"Q": Q, "D": D, "grad_out": grad_out, "argmax": argmax, "GQ": GQ, "GD": GD}
+    _launch(compiled, "grad_q", tensors)
+    _launch(compiled, "grad_d", tensors)
+    return GQ, GD
+
+
+def _forced() -> str | None:
+    value = os.environ.get(FORCE_ENV) or None
+    if value is not None and value not in BACKENDS:
+        raise ValueError(f"{FORCE_ENV} must be one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
+
+
+def _outside_envelope(Q: torch.Tensor, D: torch.Tensor) -> str | None:
+    """Why the Metal kernels cannot take these inputs, or None when they can."""
+    dim = Q.shape[-1]
+    if dim % HEAD_DIM_MULTIPLE or dim > MAX_HEAD_DIM:
+        return f"head dim {dim} is not a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+    if D.shape[-2] > MAX_DOC_TOKENS:
+        return f"docs of {D.shape[-2]} tokens (the int16 argmax stops at {MAX_DOC_TOKENS})"
+    return None
+
+
+def _check_envelope(Q: torch.Tensor, D: torch.Tensor) -> None:
+    reason = _outside_envelope(Q, D)
+    if reason:
+        raise ValueError(f"the Metal kernels cannot run this call: {reason}")
+
+
+def _work(layout: str, Q: torch.Tensor, D: torch.Tensor) -> int:
+    pairs = Q.shape[0] * (D.shape[0] if layout == "dense" else D.shape[1] if layout == "kd" else 1)
+    return pairs * Q.shape[1] * D.shape[-2]
+
+
+def _name(layout, has_q_mask, has_d_mask, normalize, dtype, strategy) -> str:
+    return variant_name(
+        layout, has_q_mask, has_d_mask, normalize, dtype, target="metal", backward=strategy
+    )
+
+
+def _bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
+    # Bool masks reach the kernels as uchar: a zero-copy uint8 view.
+    if mask is not None and mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    return mask
+
+
+def _reference(layout: str):
+    return maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+
+
+@functools.cache
+def _compiled_reference(layout: str):
+    return torch.compile(_reference(layout), dynamic=True)
+
+
+def _available(name: str) -> bool:
+    """Compiles the variant if needed; False (reported once, at the failure) if it fails."""
+    try:
+        _compile(name)
+    except MetalCompileError:
+        return False
+    return True
+
+
+def _compile(name: str) -> _Compiled:
+    """The compiled variant, compiled on first use; raises MetalCompileError if it fails."""
+    compiled = _compiled.get(name)
+    if compiled is not None:
+        return compiled
+    with _lock:
+        if name not in _compiled and name not in _failures:
+            text = source(name)
+            launch = json.loads(_LAUNCH_BLOCK.search(text).group(1))
+            try:
+                _compiled[name] = _Compiled(compile_shader(text), launch)
+            except Exception as error:  # the Metal compiler reports through RuntimeError
+                _failures[name] = f"{type(error).__name__}: {error}"
+                warnings.warn(
+                    f"lik: Metal variant {name} did not compile ({_failures[name]}); calls "
+                    "that need it fall back to torch.compile",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if name in _failures:
+            raise MetalCompileError(f"Metal variant {name} did not compile: {_failures[name]}")
+        return _compiled[name]
+
+
+def source(name: str) -> str:
+    """The generated Metal source of a variant, checked against its header hash."""
+    entry = registry.manifest().get(name)
+    if entry is None:
+        raise KeyError(f"no generated Metal variant named {name!r}: see specs/metal.toml")
+    (path,) = entry["files"]
+    text = (importlib.resources.files("lik.generated") / path).read_text()
+    match = _HASH_LINE.search(text)
+    body = text[match.end() :] if match else ""
+    if match is None or hashlib.sha256(body.encode()).hexdigest() != match.group(1):
+        raise registry.GeneratedFileError(
+            f"generated/{path} (variant {name}) does not match the hash in its header: it "
+            "was edited by hand. Generated files are never edited; run `make generate`."
+        )
+    return text
+
+
+def _launch(compiled: _Compiled, role: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Binds a kernel's arguments in the order of its launch block and dispatches one
+    simdgroup per unit of work, in threadgroups of threads_per_group threads."""
+    launch = compiled.launch
+    spec = launch["kernels"][role]
+    sizes = {name: tensors[t].shape[axis] for name, (t, axis) in launch["sizes"].items()}
+    args = [_argument(entry, tensors, sizes) for entry in spec["args"]]
+    threads = _evaluate(spec["simdgroups"], sizes) * launch["simd_width"]
+    if threads == 0:
+        return
+    kernel = getattr(compiled.library, spec["name"])
+    kernel(*args, threads=threads, group_size=min(threads, launch["threads_per_group"]))
+
+
+def _argument(entry: list, tensors: dict[str, torch.Tensor], sizes: dict[str, int]):
+    _, kind, source_name, *axis = entry
+    if kind == "tensor":
+        return tensors[source_name]
+    if kind == "size":
+        return sizes[source_name]
+    return tensors[source_name].stride(axis[0])
+
+
+_OPERATORS = {ast.Mult: operator.mul, ast.Add: operator.add, ast.FloorDiv: operator.floordiv}
+
+
+@functools.cache
+def _formula(expr: str) -> ast.expr:
+    return ast.parse(expr, mode="eval").body
+
+
+def _evaluate(expr: str, sizes: dict[str, int]) -> int:
+    """A launch formula of the plan (sums and products of sizes) at the given sizes."""
+
+    def value(node: ast.expr) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.Name):
+            return sizes[node.id]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        raise ValueError(f"launch formula {expr!r}: unsupported {ast.dump(node)}")
+
+    return value(_formula(expr))
