@@ -44,6 +44,7 @@ INDEX_TYPE = "short"
 INDEX_DOC = "int16"
 MASK_TYPE = "uchar"  # bool masks arrive as a zero-copy uint8 view
 SCALAR_DECL = "constant long&"  # sizes and strides: Python ints bind as int64
+MAX_BUFFERS = 31  # buffer arguments a Metal kernel can bind (scalars included)
 
 MODULE_TEMPLATE = "metal/maxsim.metal.j2"
 BACKWARD_TEMPLATE = {Backward.LOWMEM: "metal/backward/lowmem.metal.j2"}
@@ -140,6 +141,8 @@ def _metal_args(args, role: str, layout: Layout, storage: str) -> tuple[MetalArg
 
 def _kernel(variant: Variant, role: str, args, units: sympy.Expr, doc: str) -> MetalKernel:
     storage = STORAGE_TYPE[variant.dtype]
+    if len(args) > MAX_BUFFERS:
+        raise PlanError(f"{variant.name} {role}: {len(args)} arguments, Metal binds {MAX_BUFFERS}")
     params = tuple(sorted(str(s) for s in units.free_symbols))
     formula = _formula(f"{role}_simdgroups", units, params, doc)
     return MetalKernel(

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_dmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: e31d4d1a78fff9a1c05a8fba1fc701752bb7df199dcd54e098741e7f952ce77f
+// body-sha256: 5af7a4cc3847178144e0656f1dea3350a75dbdbce0f3ccbc0a65a89cf2bd8ab4
 
 // MaxSim forward for maxsim_dense_dmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -105,11 +105,11 @@ kernel void maxsim_dense_dmask_bf16_metal_forward(
     constant long& stride_dmt [[buffer(15)]],
     constant long& stride_ob [[buffer(16)]],
     constant long& stride_oc [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_dmask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: a37278e09a4e6cdab00f1cc9836144d0a6e1c2770a49b38862a314915a8080a6
+// body-sha256: 0f9014c44def2d4925e6d03c7f38bdeb437f4041b69abe71a93b844b20b8caf3
 
 // MaxSim forward for maxsim_dense_dmask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -124,11 +124,11 @@ kernel void maxsim_dense_dmask_bf16_metal_norm_forward(
     constant long& stride_dmt [[buffer(15)]],
     constant long& stride_ob [[buffer(16)]],
     constant long& stride_oc [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

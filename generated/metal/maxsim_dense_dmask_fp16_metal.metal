@@ -2,7 +2,7 @@
 // variant: maxsim_dense_dmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 0b1702fa154fecbc5c5146833d98c35471d4938d9140ab674149c74d7381a808
+// body-sha256: c2944f8958431cf9b0fd3ab42d00884a16242671f7fc6b98714d1485d21a7420
 
 // MaxSim forward for maxsim_dense_dmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -104,11 +104,11 @@ kernel void maxsim_dense_dmask_fp16_metal_forward(
     constant long& stride_dmt [[buffer(15)]],
     constant long& stride_ob [[buffer(16)]],
     constant long& stride_oc [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_dmask_fp16_metal_norm_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: f38ab2d0b5588b8279472ec991a1b7641c4c078b906f31bd76dc556c8582eafc
+// body-sha256: fd5278d9eb62d2c6e7c7439b11b6587e0baa2bb12dca45441fac5a16e9c4f24b
 
 // MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_metal_norm_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -152,7 +152,8 @@ inline float inv_l2_norm(float sum_of_squares) {
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -254,11 +255,11 @@ kernel void maxsim_dense_dmask_fp16_metal_norm_lowmem_forward(
     constant long& stride_ab [[buffer(19)]],
     constant long& stride_ac [[buffer(20)]],
     constant long& stride_as [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;
@@ -359,11 +360,11 @@ kernel void maxsim_dense_dmask_fp16_metal_norm_lowmem_grad_q(
     constant long& stride_gqb [[buffer(19)]],
     constant long& stride_gqs [[buffer(20)]],
     constant long& stride_gqk [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -409,11 +410,11 @@ kernel void maxsim_dense_dmask_fp16_metal_norm_lowmem_grad_d(
     constant long& stride_gdb [[buffer(20)]],
     constant long& stride_gdt [[buffer(21)]],
     constant long& stride_gdk [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long doc = owner;

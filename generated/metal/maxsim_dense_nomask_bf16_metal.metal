@@ -2,7 +2,7 @@
 // variant: maxsim_dense_nomask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 895b20824897dba1773a1ce00576f49c0bc085e84ffadafbd6dabd18285aaf51
+// body-sha256: b3977bd32faa7ade9ebeb8482b9208732e1e531db652aa7baa1ac75d248f688b
 
 // MaxSim forward for maxsim_dense_nomask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -99,11 +99,11 @@ kernel void maxsim_dense_nomask_bf16_metal_forward(
     constant long& stride_dk [[buffer(12)]],
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_oc [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_nomask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: bc71890ff5a11484143b5db957fbc48c713a1d07c280f7292ce2d56e778386cf
+// body-sha256: 692144bba0771b3a35f34a54dbfea24c36533665d1162737c8fb7992efb70abe
 
 // MaxSim forward for maxsim_dense_nomask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -118,11 +118,11 @@ kernel void maxsim_dense_nomask_bf16_metal_norm_forward(
     constant long& stride_dk [[buffer(12)]],
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_oc [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_nomask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 7e5631bcd7794f30b8f89cfa8529b71de05eb98051601d6b5494296336c451b0
+// body-sha256: 9e85fe61d88554c3372f94465f9d41f140bd28a81dfbdc7fe63a151d95559264
 
 // MaxSim forward for maxsim_dense_nomask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -98,11 +98,11 @@ kernel void maxsim_dense_nomask_fp16_metal_forward(
     constant long& stride_dk [[buffer(12)]],
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_oc [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_nomask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 40c078a316c6945af41b32cce3d428d1bbb68a6b8b79b708e5ea93a5fb0421e5
+// body-sha256: 70ee8609fcbe801435f82f5a98cc0f7c9e61293b8f95c5b2d3760844297172a0
 
 // MaxSim forward for maxsim_dense_nomask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -98,11 +98,11 @@ kernel void maxsim_dense_nomask_fp32_metal_forward(
     constant long& stride_dk [[buffer(12)]],
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_oc [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_nomask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 5023166cace48c620223b607ea01e9fa486942f6eafbe94efa80fa826a044601
+// body-sha256: 7b3f016ec28a27c5bd3d7818f671fac1502efdbaf5c5324e85a3056a0588bd87
 
 // MaxSim forward for maxsim_dense_nomask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -117,11 +117,11 @@ kernel void maxsim_dense_nomask_fp32_metal_norm_forward(
     constant long& stride_dk [[buffer(12)]],
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_oc [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 65498e25d6910d191ee21a9c2c301fed77386f70483ff111acd956aeb7edad2c
+// body-sha256: a866bc0913d30f02ef60c8fd4bd7183c0a3b79d8dd358e29abdf99ad8570f348
 
 // MaxSim forward for maxsim_dense_qdmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -111,11 +111,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_forward(
     constant long& stride_dmt [[buffer(18)]],
     constant long& stride_ob [[buffer(19)]],
     constant long& stride_oc [[buffer(20)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

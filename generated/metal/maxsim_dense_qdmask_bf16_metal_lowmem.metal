@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_bf16_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 9a715b1490f40556768dc25ec8388faa71a715dc5fa45762ddbf275173c1324c
+// body-sha256: 8fa2e34bb442c13d447a6accb0262eea6c4ec04f0dc1ea99504ad5d2d5d91121
 
 // MaxSim training (lowmem backward) for maxsim_dense_qdmask_bf16_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -132,7 +132,8 @@ inline simdgroup_float8x8 load_fragment(device const ushort* src, long base, lon
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -204,11 +205,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_lowmem_forward(
     constant long& stride_ab [[buffer(22)]],
     constant long& stride_ac [[buffer(23)]],
     constant long& stride_as [[buffer(24)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;
@@ -292,11 +293,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(15)]],
     constant long& stride_gqs [[buffer(16)]],
     constant long& stride_gqk [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -334,11 +335,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_lowmem_grad_d(
     constant long& stride_gdb [[buffer(16)]],
     constant long& stride_gdt [[buffer(17)]],
     constant long& stride_gdk [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long doc = owner;

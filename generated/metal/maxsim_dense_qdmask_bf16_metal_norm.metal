@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 8398744e84f34c905635399cecacb48132116a84bab37a0257030f7f92cf3c2b
+// body-sha256: 0a854715088b8261348a79f4858fa3a57c01ac8b6785ebde12660523680a11e8
 
 // MaxSim forward for maxsim_dense_qdmask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -130,11 +130,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_norm_forward(
     constant long& stride_dmt [[buffer(18)]],
     constant long& stride_ob [[buffer(19)]],
     constant long& stride_oc [[buffer(20)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

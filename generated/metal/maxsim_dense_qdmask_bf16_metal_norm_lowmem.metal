@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_bf16_metal_norm_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: d1d924bc055dff6f72e4ee4a027b4c7f7a8d7fd4a2816dbd8dbfd74a25e5c18b
+// body-sha256: 4603a5619f86b01c5bd6f144e903a5a716790fba0aa28a3a2444db371109d5e5
 
 // MaxSim training (lowmem backward) for maxsim_dense_qdmask_bf16_metal_norm_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -159,7 +159,8 @@ inline float inv_l2_norm(float sum_of_squares) {
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -264,11 +265,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_norm_lowmem_forward(
     constant long& stride_ab [[buffer(22)]],
     constant long& stride_ac [[buffer(23)]],
     constant long& stride_as [[buffer(24)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;
@@ -369,11 +370,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_norm_lowmem_grad_q(
     constant long& stride_gqb [[buffer(19)]],
     constant long& stride_gqs [[buffer(20)]],
     constant long& stride_gqk [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -419,11 +420,11 @@ kernel void maxsim_dense_qdmask_bf16_metal_norm_lowmem_grad_d(
     constant long& stride_gdb [[buffer(20)]],
     constant long& stride_gdt [[buffer(21)]],
     constant long& stride_gdk [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long doc = owner;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_fp16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 5824c9250d11dac1051a62957ed49c49419ce2116db6bbe2955b9895497e04c4
+// body-sha256: 12d7ad4212953769860854eb3f5421014d2822ff94e797d517e4ec7bc363768c
 
 // MaxSim forward for maxsim_dense_qdmask_fp16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -129,11 +129,11 @@ kernel void maxsim_dense_qdmask_fp16_metal_norm_forward(
     constant long& stride_dmt [[buffer(18)]],
     constant long& stride_ob [[buffer(19)]],
     constant long& stride_oc [[buffer(20)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

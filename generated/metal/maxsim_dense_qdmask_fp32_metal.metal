@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 4d8212fad964081fe1c21684276603a7799bedb25e173b6955319489e9e29517
+// body-sha256: e366db3717df23b11e67f595163036009c6ba4b49b29237f63f569a20328921b
 
 // MaxSim forward for maxsim_dense_qdmask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -110,11 +110,11 @@ kernel void maxsim_dense_qdmask_fp32_metal_forward(
     constant long& stride_dmt [[buffer(18)]],
     constant long& stride_ob [[buffer(19)]],
     constant long& stride_oc [[buffer(20)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

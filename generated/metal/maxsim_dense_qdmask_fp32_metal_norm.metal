@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qdmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 675b9901ce3a98021b4a7bb3983c2e0050ff725d6594bbc82b38bc51abe139e1
+// body-sha256: da67a1e96b65d1d782c78678bfcabae9556a2da526751548dcd2b8812a7e25ca
 
 // MaxSim forward for maxsim_dense_qdmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -129,11 +129,11 @@ kernel void maxsim_dense_qdmask_fp32_metal_norm_forward(
     constant long& stride_dmt [[buffer(18)]],
     constant long& stride_ob [[buffer(19)]],
     constant long& stride_oc [[buffer(20)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 2d190ba31fb59f74c02ba88c212f49fac1c1dacd7581b36f35e37384b64c386e
+// body-sha256: dec84ceffc22facc39fe38576f877d1a01ff0f33008cf12d5b622384c32503d4
 
 // MaxSim forward for maxsim_dense_qmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -105,11 +105,11 @@ kernel void maxsim_dense_qmask_bf16_metal_forward(
     constant long& stride_qms [[buffer(15)]],
     constant long& stride_ob [[buffer(16)]],
     constant long& stride_oc [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qmask_bf16_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 75584bf50a5b1c480155ed1993130d0109c8075c08a1447a7e0a69762a5fd53b
+// body-sha256: a354050f3bf13d4c311c89cebd32d64c4ccafca2776c3cbad641f0521112307c
 
 // MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -129,7 +129,8 @@ inline simdgroup_float8x8 load_fragment(device const ushort* src, long base, lon
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -198,11 +199,11 @@ kernel void maxsim_dense_qmask_bf16_metal_lowmem_forward(
     constant long& stride_ab [[buffer(19)]],
     constant long& stride_ac [[buffer(20)]],
     constant long& stride_as [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;
@@ -285,11 +286,11 @@ kernel void maxsim_dense_qmask_bf16_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(15)]],
     constant long& stride_gqs [[buffer(16)]],
     constant long& stride_gqk [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -327,11 +328,11 @@ kernel void maxsim_dense_qmask_bf16_metal_lowmem_grad_d(
     constant long& stride_gdb [[buffer(16)]],
     constant long& stride_gdt [[buffer(17)]],
     constant long& stride_gdk [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long doc = owner;

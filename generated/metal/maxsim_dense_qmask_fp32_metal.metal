@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qmask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 8dc7765ee32faf84807076f57bf34045e19d97b79a0cdaa1ba1438153fd64739
+// body-sha256: bda3b2de2577e16cfe8a7199bd23ed73c893358426384270161304e4950c29f2
 
 // MaxSim forward for maxsim_dense_qmask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -104,11 +104,11 @@ kernel void maxsim_dense_qmask_fp32_metal_forward(
     constant long& stride_qms [[buffer(15)]],
     constant long& stride_ob [[buffer(16)]],
     constant long& stride_oc [[buffer(17)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;

@@ -2,7 +2,7 @@
 // variant: maxsim_dense_qmask_fp32_metal_norm_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: aeccf7b0b0044e19af6048b446faa13f70de1d0a977ecfc8019edb18d2dd11d4
+// body-sha256: 3fdd5d8f01dc36538208aad38ab7b36bfec21b775921670b0aaa525f1093efc3
 
 // MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_metal_norm_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 /* launch:
@@ -152,7 +152,8 @@ inline float inv_l2_norm(float sum_of_squares) {
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -254,11 +255,11 @@ kernel void maxsim_dense_qmask_fp32_metal_norm_lowmem_forward(
     constant long& stride_ab [[buffer(19)]],
     constant long& stride_ac [[buffer(20)]],
     constant long& stride_as [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     // Queries vary fastest, so simdgroups that run together share a document in cache.
     const long query = unit % Nq;
     const long doc = unit / Nq;
@@ -358,11 +359,11 @@ kernel void maxsim_dense_qmask_fp32_metal_norm_lowmem_grad_q(
     constant long& stride_gqb [[buffer(19)]],
     constant long& stride_gqs [[buffer(20)]],
     constant long& stride_gqk [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -408,11 +409,11 @@ kernel void maxsim_dense_qmask_fp32_metal_norm_lowmem_grad_d(
     constant long& stride_gdb [[buffer(20)]],
     constant long& stride_gdt [[buffer(21)]],
     constant long& stride_gdk [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long doc = owner;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_dmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: c9eade1d4a5873c3695ec6a4705a97488a3f06f0a2397ebc63fbe4f9f27fd286
+// body-sha256: 7f2dc4f1980a83629b15b12a5b7a33eebafad404feb1ce09eaa325ad87ea2eb3
 
 // MaxSim forward for maxsim_kd_dmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -109,11 +109,11 @@ kernel void maxsim_kd_dmask_bf16_metal_forward(
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
     constant long& stride_oc [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_dmask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 645132d4c1070b0b2cc130fc8aa0583bf642d897687904ea3a13d437c82a5474
+// body-sha256: 970a1d2719d3910a327d81c191cc636fa93ffb3b57f4193766b6505c36e4737c
 
 // MaxSim forward for maxsim_kd_dmask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -128,11 +128,11 @@ kernel void maxsim_kd_dmask_bf16_metal_norm_forward(
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
     constant long& stride_oc [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_dmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 3b2296f977c8bd327632725db5b03fa70df5cc78debaf98f781e0f6a7a3b118a
+// body-sha256: 83a8f520d2c257c1935906c5a86a58f8ec7507e58787b845301e018280c52b34
 
 // MaxSim forward for maxsim_kd_dmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -108,11 +108,11 @@ kernel void maxsim_kd_dmask_fp16_metal_forward(
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
     constant long& stride_oc [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_dmask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: e425fa6f42b60d759ce2d5e4aafc995b70db6fdae4a85a228d3e976045c3d1e6
+// body-sha256: 35b301e5ad79cfeb9d17cf06483baca51e9d87ff686748f8aaa99a6f50ee5cd6
 
 // MaxSim forward for maxsim_kd_dmask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -108,11 +108,11 @@ kernel void maxsim_kd_dmask_fp32_metal_forward(
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
     constant long& stride_oc [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

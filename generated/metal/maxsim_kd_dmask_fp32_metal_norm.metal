@@ -2,7 +2,7 @@
 // variant: maxsim_kd_dmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: d33e216fccfc9ebb62a616a812c427adb995d9895b76c1b5ea42a3e34d99d1ab
+// body-sha256: 84bcb7e3f82d8c46d1b273efc0070be435651fa83e37dc49361274672a5473a2
 
 // MaxSim forward for maxsim_kd_dmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -127,11 +127,11 @@ kernel void maxsim_kd_dmask_fp32_metal_norm_forward(
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
     constant long& stride_oc [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_nomask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 5f1515e33d22789e231915a690e989cc80752d6ed382e1a42debc641763cfad5
+// body-sha256: abc60e5ca7c8bc364169ad0fc17b6ec20d0b470a6f5b212e5a73df1e436cf91b
 
 // MaxSim forward for maxsim_kd_nomask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -101,11 +101,11 @@ kernel void maxsim_kd_nomask_bf16_metal_forward(
     constant long& stride_dk [[buffer(13)]],
     constant long& stride_ob [[buffer(14)]],
     constant long& stride_oc [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_nomask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 1fe32b178fdeceef7ba91f7e1ec766b5ad70c28301e17441a751a0974371f61f
+// body-sha256: f7d3ec55ba3f3ab58586fab2a2632a38be5591d086c755991b474fb08162e195
 
 // MaxSim forward for maxsim_kd_nomask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -120,11 +120,11 @@ kernel void maxsim_kd_nomask_bf16_metal_norm_forward(
     constant long& stride_dk [[buffer(13)]],
     constant long& stride_ob [[buffer(14)]],
     constant long& stride_oc [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

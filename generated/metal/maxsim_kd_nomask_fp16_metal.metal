@@ -2,7 +2,7 @@
 // variant: maxsim_kd_nomask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 683cdc7e6d7b304bcebabc62affd980dbb6b801875e777b1b060c654f554bf56
+// body-sha256: 3f29e17450e61cbbe6a3d845c17902334d4c7ab203975f49a5fdcc9170dac9ba
 
 // MaxSim forward for maxsim_kd_nomask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -100,11 +100,11 @@ kernel void maxsim_kd_nomask_fp16_metal_forward(
     constant long& stride_dk [[buffer(13)]],
     constant long& stride_ob [[buffer(14)]],
     constant long& stride_oc [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

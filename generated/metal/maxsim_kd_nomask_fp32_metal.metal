@@ -2,7 +2,7 @@
 // variant: maxsim_kd_nomask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 193a11db0e958d07fb5643eb5107e3a57a22f39ed007ec5b5af9aedd9ec17d91
+// body-sha256: 4018b29e0b2fcbb542e8dcb21603a34cf0671bcbf2e7a9845493624bb39ea471
 
 // MaxSim forward for maxsim_kd_nomask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -100,11 +100,11 @@ kernel void maxsim_kd_nomask_fp32_metal_forward(
     constant long& stride_dk [[buffer(13)]],
     constant long& stride_ob [[buffer(14)]],
     constant long& stride_oc [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_nomask_fp32_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: e211c5ba279e44d708544c490dddc1be5a932a5a3e3de19617b0c632a9f5bf5e
+// body-sha256: aba49c91c9e82da2a63f21fed2d2878e2b31ef90187f2716d2bc614addd0ccf5
 
 // MaxSim training (lowmem backward) for maxsim_kd_nomask_fp32_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -125,7 +125,8 @@ inline simdgroup_float8x8 load_fragment(device const float* src, long base, long
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -192,11 +193,11 @@ kernel void maxsim_kd_nomask_fp32_metal_lowmem_forward(
     constant long& stride_ab [[buffer(17)]],
     constant long& stride_ac [[buffer(18)]],
     constant long& stride_as [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;
@@ -279,11 +280,11 @@ kernel void maxsim_kd_nomask_fp32_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(16)]],
     constant long& stride_gqs [[buffer(17)]],
     constant long& stride_gqk [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -322,11 +323,11 @@ kernel void maxsim_kd_nomask_fp32_metal_lowmem_grad_d(
     constant long& stride_gdc [[buffer(17)]],
     constant long& stride_gdt [[buffer(18)]],
     constant long& stride_gdk [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner / K;

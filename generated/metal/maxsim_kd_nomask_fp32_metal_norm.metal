@@ -2,7 +2,7 @@
 // variant: maxsim_kd_nomask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: c4195ffaa6f34a00c534ff1427b81932de940402acbaab921b19f9090adde40f
+// body-sha256: 7a7a109dcd18e1b8bba89b2a24962b60e74efbc8764afb60629fee0ac3d38ded
 
 // MaxSim forward for maxsim_kd_nomask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -119,11 +119,11 @@ kernel void maxsim_kd_nomask_fp32_metal_norm_forward(
     constant long& stride_dk [[buffer(13)]],
     constant long& stride_ob [[buffer(14)]],
     constant long& stride_oc [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qdmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: acefce8fc18232246986a2eb3583c5de2e39d0e655b80b40f8e17288ddf40e8c
+// body-sha256: 943c4a4657b8736dfb1f12328f3ac10f07089d5b672b03de43907bb978a93b81
 
 // MaxSim forward for maxsim_kd_qdmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -115,11 +115,11 @@ kernel void maxsim_kd_qdmask_bf16_metal_forward(
     constant long& stride_dmt [[buffer(20)]],
     constant long& stride_ob [[buffer(21)]],
     constant long& stride_oc [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

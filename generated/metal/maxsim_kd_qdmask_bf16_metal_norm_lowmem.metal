@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qdmask_bf16_metal_norm_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: f7fe46cfbb5ad33b9f8167484274792e2dbe8329d865be50b1d80037ba0b626a
+// body-sha256: 707f80673d4c88adedf0a17496b157fa736e85b18268053ee6c958a891391ffb
 
 // MaxSim training (lowmem backward) for maxsim_kd_qdmask_bf16_metal_norm_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -164,7 +164,8 @@ inline float inv_l2_norm(float sum_of_squares) {
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -271,11 +272,11 @@ kernel void maxsim_kd_qdmask_bf16_metal_norm_lowmem_forward(
     constant long& stride_ab [[buffer(24)]],
     constant long& stride_ac [[buffer(25)]],
     constant long& stride_as [[buffer(26)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;
@@ -376,11 +377,11 @@ kernel void maxsim_kd_qdmask_bf16_metal_norm_lowmem_grad_q(
     constant long& stride_gqb [[buffer(20)]],
     constant long& stride_gqs [[buffer(21)]],
     constant long& stride_gqk [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -428,11 +429,11 @@ kernel void maxsim_kd_qdmask_bf16_metal_norm_lowmem_grad_d(
     constant long& stride_gdc [[buffer(22)]],
     constant long& stride_gdt [[buffer(23)]],
     constant long& stride_gdk [[buffer(24)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner / K;

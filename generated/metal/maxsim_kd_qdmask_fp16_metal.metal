@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qdmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: aa5404acf052b6cff13245af62e31a5894a25e1655c0b38c45b408a8b6479a77
+// body-sha256: 646e2f700bd728fdde25d5b5d051d43bacf528ae75050bd9d3d4d92b3e7a6141
 
 // MaxSim forward for maxsim_kd_qdmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -114,11 +114,11 @@ kernel void maxsim_kd_qdmask_fp16_metal_forward(
     constant long& stride_dmt [[buffer(20)]],
     constant long& stride_ob [[buffer(21)]],
     constant long& stride_oc [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qdmask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: f95f2741d5ee65ff271477dfe41d2cc6112c32ead9e515cdad1ccec8bf604ae5
+// body-sha256: 40cc4a69c234badc6e2b19b77d3e60975752a9ee623c3abc92cf7e48ed19e5f7
 
 // MaxSim forward for maxsim_kd_qdmask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -114,11 +114,11 @@ kernel void maxsim_kd_qdmask_fp32_metal_forward(
     constant long& stride_dmt [[buffer(20)]],
     constant long& stride_ob [[buffer(21)]],
     constant long& stride_oc [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qdmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: ac7515f84d2c8d7948b37ffb1b0479277da55df96d795e27152b8b4077fb1647
+// body-sha256: 64f9e5d9139b02b60f2b208579f35c94eddf3bb1adc63599adaf0f27c5d99b62
 
 // MaxSim forward for maxsim_kd_qdmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -133,11 +133,11 @@ kernel void maxsim_kd_qdmask_fp32_metal_norm_forward(
     constant long& stride_dmt [[buffer(20)]],
     constant long& stride_ob [[buffer(21)]],
     constant long& stride_oc [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 8f11a75065cefc0376e47c128cf6d2b10e33942828e0febf9b7a7f6622b72123
+// body-sha256: 26085efbcb3ede5e6be73cdc1f0e419c9c91121a4c89159b86bac8d3d53044c1
 
 // MaxSim forward for maxsim_kd_qmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -107,11 +107,11 @@ kernel void maxsim_kd_qmask_bf16_metal_forward(
     constant long& stride_qms [[buffer(16)]],
     constant long& stride_ob [[buffer(17)]],
     constant long& stride_oc [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

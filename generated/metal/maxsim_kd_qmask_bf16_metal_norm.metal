@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 5bf1fe1680cf951bc9f26e075e772ce6978316ae7da98a08e668a0c7b5f755bd
+// body-sha256: 50d7d9027cdb7780769a7e2ac98f709e2e553857864af1e5841210d214c2f166
 
 // MaxSim forward for maxsim_kd_qmask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -126,11 +126,11 @@ kernel void maxsim_kd_qmask_bf16_metal_norm_forward(
     constant long& stride_qms [[buffer(16)]],
     constant long& stride_ob [[buffer(17)]],
     constant long& stride_oc [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: a5ac57943d7927ed68dd96a02051fb8686349c8012e53802e1eb82b0261bea08
+// body-sha256: f9832a9d6e01397cdf84520a6cc18934671d7c18a340a4a92f8cb299d33b08d7
 
 // MaxSim forward for maxsim_kd_qmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -106,11 +106,11 @@ kernel void maxsim_kd_qmask_fp16_metal_forward(
     constant long& stride_qms [[buffer(16)]],
     constant long& stride_ob [[buffer(17)]],
     constant long& stride_oc [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

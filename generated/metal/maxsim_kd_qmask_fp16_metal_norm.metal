@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_fp16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: a152a14f135519f25357b499399c34a09996fb7876b292290fb25fcac92e6f59
+// body-sha256: 9f10066a800806addf6d2ac4973155d2afd92a59733e3598d6f01dd71ae8fddd
 
 // MaxSim forward for maxsim_kd_qmask_fp16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -125,11 +125,11 @@ kernel void maxsim_kd_qmask_fp16_metal_norm_forward(
     constant long& stride_qms [[buffer(16)]],
     constant long& stride_ob [[buffer(17)]],
     constant long& stride_oc [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

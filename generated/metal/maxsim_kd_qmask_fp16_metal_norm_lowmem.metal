@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_fp16_metal_norm_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 840514b0729ca8ae17424eaa875aca401ece21e5fab4f7ffb73fd04c8cc8fdc0
+// body-sha256: 4647e5c713a58107764c66f52e6ebf66a0dfec40662fcf8d8f5240035ec45e20
 
 // MaxSim training (lowmem backward) for maxsim_kd_qmask_fp16_metal_norm_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -156,7 +156,8 @@ inline float inv_l2_norm(float sum_of_squares) {
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -259,11 +260,11 @@ kernel void maxsim_kd_qmask_fp16_metal_norm_lowmem_forward(
     constant long& stride_ab [[buffer(20)]],
     constant long& stride_ac [[buffer(21)]],
     constant long& stride_as [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;
@@ -363,11 +364,11 @@ kernel void maxsim_kd_qmask_fp16_metal_norm_lowmem_grad_q(
     constant long& stride_gqb [[buffer(20)]],
     constant long& stride_gqs [[buffer(21)]],
     constant long& stride_gqk [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -415,11 +416,11 @@ kernel void maxsim_kd_qmask_fp16_metal_norm_lowmem_grad_d(
     constant long& stride_gdc [[buffer(22)]],
     constant long& stride_gdt [[buffer(23)]],
     constant long& stride_gdk [[buffer(24)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner / K;

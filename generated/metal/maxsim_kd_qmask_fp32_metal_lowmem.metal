@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_fp32_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 01993d334064d340ad1d039ebb4895c0ca30a3054d29ac538b4643783772c575
+// body-sha256: 06274ca384f903fcecfc321818c16b2af4ca8fd8f4e1530360924f3ebb53d4e5
 
 // MaxSim training (lowmem backward) for maxsim_kd_qmask_fp32_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -128,7 +128,8 @@ inline simdgroup_float8x8 load_fragment(device const float* src, long base, long
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -198,11 +199,11 @@ kernel void maxsim_kd_qmask_fp32_metal_lowmem_forward(
     constant long& stride_ab [[buffer(20)]],
     constant long& stride_ac [[buffer(21)]],
     constant long& stride_as [[buffer(22)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;
@@ -285,11 +286,11 @@ kernel void maxsim_kd_qmask_fp32_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(16)]],
     constant long& stride_gqs [[buffer(17)]],
     constant long& stride_gqk [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -328,11 +329,11 @@ kernel void maxsim_kd_qmask_fp32_metal_lowmem_grad_d(
     constant long& stride_gdc [[buffer(17)]],
     constant long& stride_gdt [[buffer(18)]],
     constant long& stride_gdk [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner / K;

@@ -2,7 +2,7 @@
 // variant: maxsim_kd_qmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: ce2cf0f268c9196b6d49c437685329d56b8c9da64d2e61e63f232e5835959ed7
+// body-sha256: 32ede7692b2012dcdea135adf958f8e3d4c54757937485064cfcac733e56acc5
 
 // MaxSim forward for maxsim_kd_qmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 /* launch:
@@ -125,11 +125,11 @@ kernel void maxsim_kd_qmask_fp32_metal_norm_forward(
     constant long& stride_qms [[buffer(16)]],
     constant long& stride_ob [[buffer(17)]],
     constant long& stride_oc [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / K;
     const long doc = unit % K;
     const long doc_base = query * stride_db + doc * stride_dc;

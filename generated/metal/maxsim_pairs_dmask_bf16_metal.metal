@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_dmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: d9baed0acbb6b019f89e10e11463888ebc77a7b6e9892bd15bdbd38b5b71a9be
+// body-sha256: 138d2625c445346eb74127d23fa8b0d47afa57e95a68f1f973c21f154a193ef5
 
 // MaxSim forward for maxsim_pairs_dmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -101,11 +101,11 @@ kernel void maxsim_pairs_dmask_bf16_metal_forward(
     constant long& stride_dmb [[buffer(13)]],
     constant long& stride_dmt [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_dmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 441621e184a92c6ec00a51eb982ab87922d234daf7cc561e21782dc40fdb3717
+// body-sha256: 1225121b1c298cade1aee18b05515b9df442f1c646e234469627a35e645459c0
 
 // MaxSim forward for maxsim_pairs_dmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -100,11 +100,11 @@ kernel void maxsim_pairs_dmask_fp16_metal_forward(
     constant long& stride_dmb [[buffer(13)]],
     constant long& stride_dmt [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

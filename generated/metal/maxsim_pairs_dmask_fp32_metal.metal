@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_dmask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 40995ee1e3bba20066b62fc4da44a94de96ab5b5dcd35b8334d435a3cd4a1abf
+// body-sha256: 292ff54bcbff465c11e1451d942cb6d74e7e3504fd862a67385e89f4b2e1faa2
 
 // MaxSim forward for maxsim_pairs_dmask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -100,11 +100,11 @@ kernel void maxsim_pairs_dmask_fp32_metal_forward(
     constant long& stride_dmb [[buffer(13)]],
     constant long& stride_dmt [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_dmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: b8b86c30446ff8835109068acbdd70d1aba5bd19dc31ef9c8f40462be7e6b300
+// body-sha256: e20119fc127fc965601a3d5896efd962822bb7723c01c9e0d472232cb31ae7ca
 
 // MaxSim forward for maxsim_pairs_dmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -119,11 +119,11 @@ kernel void maxsim_pairs_dmask_fp32_metal_norm_forward(
     constant long& stride_dmb [[buffer(13)]],
     constant long& stride_dmt [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 00a63df76235dc2fb92c16a8ef093f95a5f9f2f29c2a162a34e19c33c1b919d9
+// body-sha256: 2b1dc16cad8bee28178546c9c4506eea48e7b5ad503f9d19eee70300ed7ddc9b
 
 // MaxSim forward for maxsim_pairs_nomask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -95,11 +95,11 @@ kernel void maxsim_pairs_nomask_bf16_metal_forward(
     constant long& stride_dt [[buffer(10)]],
     constant long& stride_dk [[buffer(11)]],
     constant long& stride_ob [[buffer(12)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_bf16_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: a866913ca8cf6725734b7eb90e4e17d414978ce181af355e1caaf892bacb962d
+// body-sha256: 738570fc860085c3b96e9259110e2e4d13b95dbb5953762a09dc3895685ce01c
 
 // MaxSim training (lowmem backward) for maxsim_pairs_nomask_bf16_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -117,7 +117,8 @@ inline simdgroup_float8x8 load_fragment(device const ushort* src, long base, lon
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -180,11 +181,11 @@ kernel void maxsim_pairs_nomask_bf16_metal_lowmem_forward(
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_ab [[buffer(14)]],
     constant long& stride_as [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);
@@ -262,11 +263,11 @@ kernel void maxsim_pairs_nomask_bf16_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(12)]],
     constant long& stride_gqs [[buffer(13)]],
     constant long& stride_gqk [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -301,11 +302,11 @@ kernel void maxsim_pairs_nomask_bf16_metal_lowmem_grad_d(
     constant long& stride_gdb [[buffer(13)]],
     constant long& stride_gdt [[buffer(14)]],
     constant long& stride_gdk [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner;

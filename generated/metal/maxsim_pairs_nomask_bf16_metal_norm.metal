@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 710a9559d3666bf119732f0bfa498f85147815f2b7fb52a70784573519ef6535
+// body-sha256: a97a5406f5e4b693f79f01088fe4de46067d65b2e508b39008ab3796c20c5c90
 
 // MaxSim forward for maxsim_pairs_nomask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -114,11 +114,11 @@ kernel void maxsim_pairs_nomask_bf16_metal_norm_forward(
     constant long& stride_dt [[buffer(10)]],
     constant long& stride_dk [[buffer(11)]],
     constant long& stride_ob [[buffer(12)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 4576eb957486663bb866ed81ad2e3b50a939c6fbf86a7b26471e5438e691e558
+// body-sha256: 0b926ae4efd9610d933dd885437f1f2db06cc53d89f6b720be5555e964aae69f
 
 // MaxSim forward for maxsim_pairs_nomask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -94,11 +94,11 @@ kernel void maxsim_pairs_nomask_fp16_metal_forward(
     constant long& stride_dt [[buffer(10)]],
     constant long& stride_dk [[buffer(11)]],
     constant long& stride_ob [[buffer(12)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

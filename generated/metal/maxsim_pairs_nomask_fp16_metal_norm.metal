@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_fp16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 0f501d97d0afb183d8b7d053f44ae892a49113c4c4b15f9394370d3c77d8474b
+// body-sha256: 5b80da48104968bf4c0d1f9b10d860e7d50c01b72439ba21841df071705c902a
 
 // MaxSim forward for maxsim_pairs_nomask_fp16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -113,11 +113,11 @@ kernel void maxsim_pairs_nomask_fp16_metal_norm_forward(
     constant long& stride_dt [[buffer(10)]],
     constant long& stride_dk [[buffer(11)]],
     constant long& stride_ob [[buffer(12)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

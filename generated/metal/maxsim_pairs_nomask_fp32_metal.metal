@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 897b15d83a92fa29a1f4eb73b794133d9d889e3f96f3d27bd2e6d138dcc2e4af
+// body-sha256: 62f738671d3eb90c4b7e48096639c6978becbd6bf0fd810d726ab1b9dc0a1ee7
 
 // MaxSim forward for maxsim_pairs_nomask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -94,11 +94,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_forward(
     constant long& stride_dt [[buffer(10)]],
     constant long& stride_dk [[buffer(11)]],
     constant long& stride_ob [[buffer(12)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

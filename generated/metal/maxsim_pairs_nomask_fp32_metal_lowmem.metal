@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_fp32_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 8515495b812764b8e6082b55b21e700f12b171a128d4bde90345ef2a9753700a
+// body-sha256: d1308fc7553a6eff7e12023b4d6b28f09a572d6bc7a0c960f8fc6604ca9c6b77
 
 // MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp32_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -113,7 +113,8 @@ inline simdgroup_float8x8 load_fragment(device const float* src, long base, long
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -176,11 +177,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_lowmem_forward(
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_ab [[buffer(14)]],
     constant long& stride_as [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);
@@ -258,11 +259,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(12)]],
     constant long& stride_gqs [[buffer(13)]],
     constant long& stride_gqk [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -297,11 +298,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_lowmem_grad_d(
     constant long& stride_gdb [[buffer(13)]],
     constant long& stride_gdt [[buffer(14)]],
     constant long& stride_gdk [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_nomask_fp32_metal_norm_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: aa43e2b84fa29bb14a4fcea203a57561baaa3c8b042ffe17d4d4168608346c12
+// body-sha256: 2824008f03a9e118449bbe0c7597f4a730dae3dc11f5bec159ab4797e5b76a11
 
 // MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp32_metal_norm_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -140,7 +140,8 @@ inline float inv_l2_norm(float sum_of_squares) {
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -236,11 +237,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_norm_lowmem_forward(
     constant long& stride_ob [[buffer(13)]],
     constant long& stride_ab [[buffer(14)]],
     constant long& stride_as [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);
@@ -335,11 +336,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_norm_lowmem_grad_q(
     constant long& stride_gqb [[buffer(16)]],
     constant long& stride_gqs [[buffer(17)]],
     constant long& stride_gqk [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -382,11 +383,11 @@ kernel void maxsim_pairs_nomask_fp32_metal_norm_lowmem_grad_d(
     constant long& stride_gdb [[buffer(17)]],
     constant long& stride_gdt [[buffer(18)]],
     constant long& stride_gdk [[buffer(19)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner;

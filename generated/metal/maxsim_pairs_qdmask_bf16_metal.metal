@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qdmask_bf16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 5a4ff094f2126eca970ef79a2354235e5ea2e39b5fa77b7df7f45c782b45b696
+// body-sha256: 77257158f51d9e05aff603d98a07964d6770a75e12158d26fc3045d2e5c430cf
 
 // MaxSim forward for maxsim_pairs_qdmask_bf16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -107,11 +107,11 @@ kernel void maxsim_pairs_qdmask_bf16_metal_forward(
     constant long& stride_dmb [[buffer(16)]],
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qdmask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 52b46647ce57d75798dcbfc8257366d13ae436f8141165993fc3e933c6e1790f
+// body-sha256: 2e3870142ee3df42a46c0e6cd3cb9f14a6459dee10a1fa47188d97f8a0597a04
 
 // MaxSim forward for maxsim_pairs_qdmask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -126,11 +126,11 @@ kernel void maxsim_pairs_qdmask_bf16_metal_norm_forward(
     constant long& stride_dmb [[buffer(16)]],
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qdmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 6ca48246deb9c0083096067288453459e19108e72d2e2b83b98c919f3ebd3eef
+// body-sha256: a2c825c232f394e4afc67bc4c43b44f4e917d3e995b897e19d5715b646be1e51
 
 // MaxSim forward for maxsim_pairs_qdmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -106,11 +106,11 @@ kernel void maxsim_pairs_qdmask_fp16_metal_forward(
     constant long& stride_dmb [[buffer(16)]],
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qdmask_fp16_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: ffc1d6ad33f8adaf304754ed49c89b13a3a8149061a6125e88d90c1aab9e85e9
+// body-sha256: 43d9edc88acee3b89b9619c6148f852da7f1f2848a931dc1f697f08d40b31a9a
 
 // MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp16_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -119,7 +119,8 @@ inline simdgroup_float8x8 load_fragment(device const half* src, long base, long 
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -188,11 +189,11 @@ kernel void maxsim_pairs_qdmask_fp16_metal_lowmem_forward(
     constant long& stride_ob [[buffer(19)]],
     constant long& stride_ab [[buffer(20)]],
     constant long& stride_as [[buffer(21)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;
@@ -271,11 +272,11 @@ kernel void maxsim_pairs_qdmask_fp16_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(12)]],
     constant long& stride_gqs [[buffer(13)]],
     constant long& stride_gqk [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -310,11 +311,11 @@ kernel void maxsim_pairs_qdmask_fp16_metal_lowmem_grad_d(
     constant long& stride_gdb [[buffer(13)]],
     constant long& stride_gdt [[buffer(14)]],
     constant long& stride_gdk [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qdmask_fp16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 508bc6a5578db2ffc0222b4bd9163dbd570f30d305ce8ff97ba8e5ede6110c14
+// body-sha256: 53268a92da07457d41daa299bee83f731cb3493e0b0a1b718d0357b94949c42d
 
 // MaxSim forward for maxsim_pairs_qdmask_fp16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -125,11 +125,11 @@ kernel void maxsim_pairs_qdmask_fp16_metal_norm_forward(
     constant long& stride_dmb [[buffer(16)]],
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

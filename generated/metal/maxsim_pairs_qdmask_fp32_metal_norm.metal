@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qdmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 01facf3ad7a0948d14d62070a9b594aeb52178920416d7f39e279a6c31ee99b1
+// body-sha256: 688e3d1eca8a982ccc50346b1c0e558eede46f38bd98f7f0d1819fc000d9b4e5
 
 // MaxSim forward for maxsim_pairs_qdmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -125,11 +125,11 @@ kernel void maxsim_pairs_qdmask_fp32_metal_norm_forward(
     constant long& stride_dmb [[buffer(16)]],
     constant long& stride_dmt [[buffer(17)]],
     constant long& stride_ob [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const long d_mask_base = query * stride_dmb;

@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qmask_bf16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/bf16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 35560d6b07cb2139b215f8b4063e7834e31746602ab751a30c119f75b72a33b2
+// body-sha256: 352f2c6005a373a2ef8230bf84f6f7acdb1b7d46e001c6816177c4f7b04a862a
 
 // MaxSim forward for maxsim_pairs_qmask_bf16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -120,11 +120,11 @@ kernel void maxsim_pairs_qmask_bf16_metal_norm_forward(
     constant long& stride_qmb [[buffer(13)]],
     constant long& stride_qms [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

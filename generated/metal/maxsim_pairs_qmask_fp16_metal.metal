@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qmask_fp16_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 4554e9aae0eb4ff065713e06cbc12624a6d9dbca03d93bde657515f732cb524e
+// body-sha256: 9d3c1b43b8cca8f9f60c517d45319f750384fb70aee62068fdbbbdd531b93d5e
 
 // MaxSim forward for maxsim_pairs_qmask_fp16_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -100,11 +100,11 @@ kernel void maxsim_pairs_qmask_fp16_metal_forward(
     constant long& stride_qmb [[buffer(13)]],
     constant long& stride_qms [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

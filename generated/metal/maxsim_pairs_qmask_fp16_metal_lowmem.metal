@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qmask_fp16_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: f90c80921ec600845a02ea5672314f00791a0a8ac2e316a2e8f870cce3962d36
+// body-sha256: 8c47d2e4ae00cfd84408f01eb36685ea81867fed591ace1aeea2a53839ba06e7
 
 // MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp16_metal_lowmem on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -116,7 +116,8 @@ inline simdgroup_float8x8 load_fragment(device const half* src, long base, long 
 }
 
 // Keeps the larger of this lane's (value, index) and lane ^ mask's; on equal values the
-// earlier index, so ties resolve to the first doc token, as in the Triton kernels.
+// earlier index, so the four lanes of a row agree on the first winning doc token (the
+// Triton kernels' tie rule).
 inline void keep_larger(thread float& value, thread int& index, ushort mask) {
     const float other = simd_shuffle_xor(value, mask);
     const int other_index = simd_shuffle_xor(index, mask);
@@ -182,11 +183,11 @@ kernel void maxsim_pairs_qmask_fp16_metal_lowmem_forward(
     constant long& stride_ob [[buffer(16)]],
     constant long& stride_ab [[buffer(17)]],
     constant long& stride_as [[buffer(18)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);
@@ -264,11 +265,11 @@ kernel void maxsim_pairs_qmask_fp16_metal_lowmem_grad_q(
     constant long& stride_gqb [[buffer(12)]],
     constant long& stride_gqs [[buffer(13)]],
     constant long& stride_gqk [[buffer(14)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit / Lq;
     const long s = unit % Lq;
     float grad[DIMS_PER_LANE] = {};
@@ -303,11 +304,11 @@ kernel void maxsim_pairs_qmask_fp16_metal_lowmem_grad_d(
     constant long& stride_gdb [[buffer(13)]],
     constant long& stride_gdt [[buffer(14)]],
     constant long& stride_gdk [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long owner = unit / Ld;
     const long t = unit % Ld;
     const long query = owner;

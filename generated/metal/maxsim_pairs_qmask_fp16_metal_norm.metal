@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qmask_fp16_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp16.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: b2fa674846aba1d058f57fd02546350dd957ec65972c2b31d11d1def966b3c7f
+// body-sha256: 02e3d0261324d76ae8bfbab4ceb891d36057a6da3558e0892256e0398b83fd2a
 
 // MaxSim forward for maxsim_pairs_qmask_fp16_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -119,11 +119,11 @@ kernel void maxsim_pairs_qmask_fp16_metal_norm_forward(
     constant long& stride_qmb [[buffer(13)]],
     constant long& stride_qms [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

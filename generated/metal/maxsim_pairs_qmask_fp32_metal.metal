@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qmask_fp32_metal
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: b9c28b942aa4051e5847c44ba1df030aea0dc9d1f9c161533d5d9fe5362a72d4
+// body-sha256: 28ce4748aea3ca5c8b0bd949e4c1cee58a826c4ba74b33639f16087d3851a009
 
 // MaxSim forward for maxsim_pairs_qmask_fp32_metal on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -100,11 +100,11 @@ kernel void maxsim_pairs_qmask_fp32_metal_forward(
     constant long& stride_qmb [[buffer(13)]],
     constant long& stride_qms [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);

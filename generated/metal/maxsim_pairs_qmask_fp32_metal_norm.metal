@@ -2,7 +2,7 @@
 // variant: maxsim_pairs_qmask_fp32_metal_norm
 // spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "target": "metal"}
 // templates: metal/element/fp32.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/fragments.metal.j2, metal/partials/layout.metal.j2, metal/partials/rows.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: aa0f73320614fbd15dc27c6c43f876912c0cbe2302d8cfb5a99732afe7737c78
+// body-sha256: fe3c5be88b31e67133eb4fafa13d8f9994f54d92378de23b0e26cb870bb63dd9
 
 // MaxSim forward for maxsim_pairs_qmask_fp32_metal_norm on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 /* launch:
@@ -119,11 +119,11 @@ kernel void maxsim_pairs_qmask_fp32_metal_norm_forward(
     constant long& stride_qmb [[buffer(13)]],
     constant long& stride_qms [[buffer(14)]],
     constant long& stride_ob [[buffer(15)]],
-    uint group [[threadgroup_position_in_grid]],
-    ushort simdgroup [[simdgroup_index_in_threadgroup]],
+    uint group_index [[threadgroup_position_in_grid]],
+    ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]])
 {
-    const long unit = long(group) * SIMDGROUPS + simdgroup;
+    const long unit = long(group_index) * SIMDGROUPS + simdgroup_index;
     const long query = unit;
     const long doc_base = query * stride_db;
     const FragmentSlot slot = fragment_slot(lane);
