@@ -1,0 +1,563 @@
+"""Metal, without a Mac.
+
+(a) Every generated .metal file compiles as C++ against tests/metal/metal_syntax.h, which
+    declares the Metal surface the templates use (one g++ -fsyntax-only run, -Werror: an
+    unused kernel argument fails too); attribute names and buffer numbering are checked
+    from the text.
+(b) A handful of variants run on the CPU: tests/metal/metal_cpu.h implements that surface
+    (32 lanes of a simdgroup in lockstep at every simdgroup function), driver.cpp exposes
+    the kernels to ctypes, and results are compared with the float64 reference, forward
+    (scores and argmax) and backward.
+(c) The MPS runtime (lik.runtime.metal) is exercised on CPU tensors by replacing only the
+    compile boundary, metal.compile_shader: the fake library checks every launch against
+    the kernel's own signature (argument count, dtypes, scalars, grid) and runs it on the
+    CPU build. Nothing here runs on Apple hardware or says anything about its speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TOLERANCE, relative_error
+
+from lik.runtime import api, autograd, dispatch, metal, registry
+from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "tests" / "metal"
+GENERATED = ROOT / "generated"
+METAL_NAMES = sorted(n for n in registry.names() if n.split("_")[4] == "metal")
+# Variants built for execution: every layout, mask, dtype, normalize and backward value
+# appears at least once.
+EXECUTED = (
+    "maxsim_dense_qdmask_fp32_metal_norm_lowmem",
+    "maxsim_dense_qdmask_fp32_metal_norm",
+    "maxsim_dense_nomask_bf16_metal_lowmem",
+    "maxsim_dense_nomask_fp32_metal",
+    "maxsim_kd_dmask_fp16_metal_lowmem",
+    "maxsim_kd_qmask_bf16_metal_norm",
+    "maxsim_pairs_qdmask_bf16_metal_norm_lowmem",
+    "maxsim_pairs_nomask_fp16_metal",
+)
+# A kernel whose lanes disagree on a simdgroup function: the harness must refuse it.
+DIVERGENT_KERNEL = """
+kernel void divergent_sum(device float* out [[buffer(0)]],
+                          uint group_index [[threadgroup_position_in_grid]],
+                          ushort simdgroup_index [[simdgroup_index_in_threadgroup]],
+                          ushort lane [[thread_index_in_simdgroup]]) {
+    if (lane < 16) {
+        out[group_index * 4 + simdgroup_index] = metal::simd_sum(1.0f);
+    }
+}
+"""
+CXXFLAGS = ["-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{HARNESS}", f"-I{HARNESS}/include"]
+MSL_DTYPE = {
+    "float": torch.float32,
+    "half": torch.float16,
+    "ushort": torch.bfloat16,
+    "uchar": torch.uint8,
+    "short": torch.int16,
+}
+ATTRIBUTES = {"buffer", "threadgroup_position_in_grid", "simdgroup_index_in_threadgroup",
+              "thread_index_in_simdgroup"}  # fmt: skip
+TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# --- building ----------------------------------------------------------------------------
+
+
+def _compiler() -> list[str]:
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler (g++ or clang++) to check the Metal sources with")
+    ignore = "-Wno-unknown-attributes" if "clang" in Path(cxx).name else "-Wno-attributes"
+    return [cxx, *CXXFLAGS, ignore]
+
+
+def _namespaced_includes(names) -> str:
+    """One translation unit for many variants: each file in a namespace of its own."""
+    return "".join(
+        f'namespace v{i} {{\n#include "{GENERATED / "metal" / name}.metal"\n}}\n'
+        for i, name in enumerate(names)
+    )
+
+
+def _kernels_inc(names) -> str:
+    entries = []
+    for i, name in enumerate(names):
+        for kernel in launch_block(name)["kernels"].values():
+            entries.append(
+                f'{{"{kernel["name"]}", &lik_cpu::launch_kernel<&v{i}::{kernel["name"]}>}}'
+            )
+    entries.append('{"divergent_sum", &lik_cpu::launch_kernel<&divergent_sum>}')
+    table = ",\n".join(f"    {e}" for e in entries)
+    return (_namespaced_includes(names) + DIVERGENT_KERNEL
+            + f"static const lik_cpu::KernelEntry LIK_KERNELS[] = {{\n{table}\n}};\n")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Starts both compiles at once (two cores): the syntax check of every generated file,
+    and the CPU library of the executed variants."""
+    cxx = _compiler()
+    tmp = tmp_path_factory.mktemp("metal")
+    (tmp / "syntax.cpp").write_text(
+        '#include "metal_syntax.h"\n' + _namespaced_includes(METAL_NAMES)
+    )
+    (tmp / "kernels.inc").write_text(_kernels_inc(EXECUTED))
+    syntax = subprocess.Popen([*cxx, "-fsyntax-only", str(tmp / "syntax.cpp")],
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    library = tmp / "libmetal_cpu.so"
+    build = subprocess.Popen([*cxx, "-O1", "-shared", "-fPIC", f"-I{tmp}",
+                              str(HARNESS / "driver.cpp"), "-o", str(library)],
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    yield {"syntax": syntax, "build": build, "library": library, "cxx": cxx}
+    for process in (syntax, build):
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def cpu_library(builds):
+    _, errors = builds["build"].communicate()
+    assert builds["build"].returncode == 0, errors[-4000:]
+    library = ctypes.CDLL(str(builds["library"]))
+    library.lik_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.c_long, ctypes.c_long, ctypes.c_char_p,
+                                       ctypes.c_long]  # fmt: skip
+    return library
+
+
+# --- the fake compile boundary -----------------------------------------------------------
+
+
+def launch_block(name: str) -> dict:
+    text = (GENERATED / "metal" / f"{name}.metal").read_text()
+    return json.loads(re.search(r"/\* launch:\n(.*?)\n\*/", text, re.DOTALL).group(1))
+
+
+def kernel_signatures(source: str) -> dict[str, list[tuple[str, str, int]]]:
+    """kernel name -> its buffer arguments as (MSL type, name, buffer index)."""
+    out = {}
+    for name, params in re.findall(r"kernel void (\w+)\((.*?)\)\s*\{", source, re.DOTALL):
+        found = re.findall(r"(.+?)\s*\b(\w+) \[\[buffer\((\d+)\)\]\]", params)
+        out[name] = [(decl.strip(" ,\n"), arg, int(index)) for decl, arg, index in found]
+    return out
+
+
+class CpuKernel:
+    """One kernel of a fake library: checks a launch against the kernel's signature the
+    way Metal would bind it, then runs it on the CPU build."""
+
+    def __init__(self, library, name, signature, calls):
+        self.library, self.name, self.signature, self.calls = library, name, signature, calls
+
+    def __call__(self, *args, threads, group_size):
+        self.calls.append((self.name, args, threads, group_size))
+        assert len(args) == len(self.signature), f"{self.name}: {len(args)} arguments"
+        assert threads % 32 == 0 and 0 < group_size <= 1024 and group_size % 32 == 0
+        keep, pointers = [], []
+        for (decl, arg_name, _), value in zip(self.signature, args, strict=True):
+            keep.append(self._bind(decl, arg_name, value))
+            pointers.append(ctypes.cast(ctypes.pointer(keep[-1]), ctypes.c_void_p)
+                            if isinstance(keep[-1], ctypes.c_long) else keep[-1])  # fmt: skip
+        argv = (ctypes.c_void_p * len(pointers))(*pointers)
+        error = ctypes.create_string_buffer(4096)
+        rc = self.library.lik_cpu_launch(self.name.encode(), argv, threads, group_size, error, 4096)
+        assert rc == 0, error.value.decode()
+
+    def _bind(self, decl, arg_name, value):
+        if decl.endswith("&"):  # constant long&: a Python int, bound as int64
+            assert type(value) is int, f"{self.name}: {arg_name} must be an int, got {value!r}"
+            return ctypes.c_long(value)
+        element = decl.split()[-1].rstrip("*")
+        assert isinstance(value, torch.Tensor), f"{self.name}: {arg_name} is not a tensor"
+        assert value.dtype == MSL_DTYPE[element], f"{self.name}: {arg_name} is {value.dtype}"
+        return ctypes.c_void_p(value.data_ptr())
+
+
+class CpuLibrary:
+    def __init__(self, library, source, calls):
+        self._kernels = {name: CpuKernel(library, name, signature, calls)
+                         for name, signature in kernel_signatures(source).items()}  # fmt: skip
+
+    def __getattr__(self, name):
+        return self._kernels[name]
+
+
+@pytest.fixture
+def fake_mps(cpu_library, monkeypatch):
+    """lik.runtime.metal with CPU tensors treated as MPS ones and compile_shader replaced by
+    the CPU build. Yields the list of launches and the list of compiled variants."""
+    calls, compiled = [], []
+
+    def compile_shader(source):
+        compiled.append(re.search(r"^// variant: (\w+)", source, re.MULTILINE).group(1))
+        return CpuLibrary(cpu_library, source, calls)
+
+    monkeypatch.setattr(metal, "compile_shader", compile_shader)
+    monkeypatch.setattr(metal, "handles", lambda device: True)
+    monkeypatch.setattr(metal, "_compiled", {})
+    monkeypatch.setattr(metal, "_failures", {})
+    monkeypatch.delenv(metal.FORCE_ENV, raising=False)
+    metal._compiled_reference.cache_clear()
+    yield calls, compiled
+    metal._compiled_reference.cache_clear()
+
+
+# --- inputs and the float64 ground truth --------------------------------------------------
+
+
+def make_inputs(layout, dtype, Nq, Nd, Lq, Ld, dim, has_q_mask, has_d_mask, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d_rows = {"dense": (Nd, Ld), "kd": (Nq, Nd, Ld), "pairs": (Nq, Ld)}[layout]
+    Q = torch.randn(Nq, Lq, dim, generator=g).to(dtype)
+    D = torch.randn(*d_rows, dim, generator=g).to(dtype)
+    q_mask = torch.rand(Nq, Lq, generator=g) < 0.7 if has_q_mask else None
+    d_mask = None
+    if has_d_mask:
+        d_mask = torch.rand(d_rows, generator=g) < 0.6
+        d_mask[0] = False  # a fully masked doc scores 0 and wins nothing
+    return Q, D, q_mask, d_mask
+
+
+def reference(layout, Q, D, q_mask, d_mask, normalize):
+    fn = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+    return fn(Q.double(), D.double(), q_mask, d_mask, normalize=normalize)
+
+
+def reference_argmax(layout, Q, D, q_mask, d_mask, normalize):
+    """Each query token's winning doc token in float64; -1 where none wins."""
+    Q, D = Q.double(), D.double()
+    if normalize:
+        Q, D = F.normalize(Q, dim=-1), F.normalize(D, dim=-1)
+    equation = {"dense": "isk,jtk->ijst", "kd": "isk,ictk->icst", "pairs": "bsk,btk->bst"}
+    sim = torch.einsum(equation[layout], Q, D)
+    if d_mask is not None:
+        sim = sim.masked_fill(~(d_mask[:, None, :] if layout == "pairs" else
+                                d_mask[None, :, None, :] if layout == "dense" else
+                                d_mask[:, :, None, :]), float("-inf"))  # fmt: skip
+    best = sim.amax(dim=-1, keepdim=True)
+    positions = torch.arange(sim.shape[-1])
+    # The earliest of equal maxima, as the kernels pick it. Copies of one token tie exactly
+    # in the kernels; float64 einsum may round them apart by ~1e-16, hence the slack.
+    tied = sim >= best - 1e-10 * best.abs().clamp(min=1)
+    index = torch.where(tied, positions, sim.shape[-1]).amin(dim=-1)
+    best = best[..., 0]
+    index[torch.isneginf(best)] = -1
+    if q_mask is not None:
+        index[~(q_mask if layout == "pairs" else q_mask[:, None, :]).expand_as(index)] = -1
+    return index
+
+
+def parse(name):
+    tokens = name.split("_")
+    return {
+        "layout": tokens[1],
+        "has_q_mask": tokens[2] in ("qmask", "qdmask"),
+        "has_d_mask": tokens[2] in ("dmask", "qdmask"),
+        "dtype": TORCH_DTYPE[tokens[3]],
+        "normalize": "norm" in tokens,
+        "train": tokens[-1] == "lowmem",
+    }
+
+
+def fp32_bound(dtype):
+    # The CPU build computes exactly in fp32, like the interpreter path.
+    return 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+
+
+# --- (a) syntax and type check of every generated file ------------------------------------
+
+
+def test_every_generated_metal_file_compiles_against_the_declared_surface(builds):
+    _, errors = builds["syntax"].communicate()
+    assert builds["syntax"].returncode == 0, errors[-4000:]
+    assert METAL_NAMES
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("simd_sum(", "simd_prefix_inclusive_sum("),  # a builtin the surface does not declare
+     ("    float best = -INFINITY;", "    threadgroup float tile[8];\n    float best = -INFINITY;"),
+     ("const long unit", "const long unused = 0;\n    const long unit")],
+    ids=["undeclared-builtin", "threadgroup-memory", "unused-variable"],
+)  # fmt: skip
+def test_syntax_check_rejects_a_broken_kernel(builds, tmp_path, old, new):
+    text = (GENERATED / "metal" / f"{EXECUTED[0]}.metal").read_text()
+    assert old in text
+    broken = tmp_path / "broken.cpp"
+    broken.write_text('#include "metal_syntax.h"\n' + text.replace(old, new, 1))
+    run = subprocess.run([*builds["cxx"], "-fsyntax-only", str(broken)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode != 0
+
+
+# MSL has no double, no threadgroup memory here (see metal_syntax.h), no standard library.
+FORBIDDEN = re.compile(r"\b(double|threadgroup|std::|printf|goto)\b")
+
+
+def _code(text: str) -> str:
+    """The MSL body without comments."""
+    body = text.split("#include <metal_stdlib>", 1)[1]
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", body, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("name", METAL_NAMES)
+def test_generated_metal_uses_known_attributes_and_numbered_buffers(name):
+    text = (GENERATED / "metal" / f"{name}.metal").read_text()
+    attributes = set(re.findall(r"\[\[(\w+)", text))
+    assert attributes <= ATTRIBUTES, attributes - ATTRIBUTES
+    assert not FORBIDDEN.search(_code(text))
+    block = launch_block(name)
+    for kernel, signature in kernel_signatures(text).items():
+        (spec,) = [k for k in block["kernels"].values() if k["name"] == kernel]
+        assert [index for *_, index in signature] == list(range(len(signature)))
+        assert [arg for _, arg, _ in signature] == [entry[0] for entry in spec["args"]]
+
+
+# --- (b) kernels on the CPU against the float64 reference ---------------------------------
+
+
+def test_harness_refuses_divergent_simdgroup_functions(cpu_library):
+    out = torch.zeros(4)
+    argv = (ctypes.c_void_p * 1)(out.data_ptr())
+    error = ctypes.create_string_buffer(512)
+    assert cpu_library.lik_cpu_launch(b"divergent_sum", argv, 32, 32, error, 512) == 1
+    assert b"diverged" in error.value
+
+
+@pytest.mark.parametrize("name", EXECUTED)
+@pytest.mark.parametrize("shape", [(3, 4, 11, 13, 40), (2, 3, 1, 9, 8)], ids=["odd", "Lq1"])
+def test_forward_matches_float64_reference(fake_mps, name, shape):
+    v = parse(name)
+    Q, D, q_mask, d_mask = make_inputs(v["layout"], v["dtype"], *shape,
+                                       v["has_q_mask"], v["has_d_mask"])  # fmt: skip
+    ref = reference(v["layout"], Q, D, q_mask, d_mask, v["normalize"])
+    out = torch.full(ref.shape, float("nan"))
+    argmax = torch.full(ref.shape + (Q.shape[1],), -7, dtype=torch.int16) if v["train"] else None
+    backward = "lowmem" if v["train"] else "none"
+    metal.forward(v["layout"], Q, D, q_mask, d_mask, v["normalize"], out, backward=backward,
+                  argmax=argmax)  # fmt: skip
+    assert not out.isnan().any(), "unwritten scores"
+    assert relative_error(out, ref) < fp32_bound(v["dtype"])
+    if argmax is not None:
+        expected = reference_argmax(v["layout"], Q, D, q_mask, d_mask, v["normalize"])
+        assert torch.equal(argmax.long(), expected)
+
+
+@pytest.mark.parametrize("name", [n for n in EXECUTED if n.endswith("_lowmem")])
+def test_argmax_ties_go_to_the_earliest_doc_token(fake_mps, name):
+    v = parse(name)
+    layout, ties = v["layout"], [2, 3, 6, 9]
+    Q, D, q_mask, d_mask = make_inputs(layout, v["dtype"], 3, 4, 11, 13, 16,
+                                       v["has_q_mask"], v["has_d_mask"], seed=3)  # fmt: skip
+    # One strong token at 2, copied to 3 (same lane), 6 (another lane) and 9 (next tile).
+    D[..., ties, :] = (4 * Q.float().sum(dim=(0, 1)) / Q.shape[1]).to(v["dtype"])
+    if d_mask is not None:
+        d_mask[..., ties] = True
+    out = torch.empty(reference(layout, Q, D, q_mask, d_mask, False).shape)
+    argmax = torch.empty(out.shape + (Q.shape[1],), dtype=torch.int16)
+    metal.forward(layout, Q, D, q_mask, d_mask, v["normalize"], out, backward="lowmem",
+                  argmax=argmax)  # fmt: skip
+    expected = reference_argmax(layout, Q, D, q_mask, d_mask, v["normalize"])
+    assert (expected == 2).sum() > expected.numel() // 4, "too few ties to test"
+    assert torch.equal(argmax.long(), expected)
+
+
+@pytest.mark.parametrize("name", [n for n in EXECUTED if n.endswith("_lowmem")])
+def test_backward_matches_float64_reference(fake_mps, name, monkeypatch):
+    v = parse(name)
+    layout = v["layout"]
+    Q, D, q_mask, d_mask = make_inputs(layout, v["dtype"], 3, 4, 11, 13, 40,
+                                       v["has_q_mask"], v["has_d_mask"], seed=1)  # fmt: skip
+    out = torch.empty(reference(layout, Q, D, q_mask, d_mask, False).shape)
+    argmax = torch.empty(out.shape + (Q.shape[1],), dtype=torch.int16)
+    metal.forward(layout, Q, D, q_mask, d_mask, v["normalize"], out, backward="lowmem",
+                  argmax=argmax)  # fmt: skip
+    grad_out = torch.randn(out.shape)
+    with _poisoned_empty(monkeypatch):
+        GQ, GD = metal.backward(layout, grad_out, argmax, Q, D, v["has_q_mask"], v["has_d_mask"],
+                                v["normalize"], "lowmem")  # fmt: skip
+    Q64, D64 = Q.double().requires_grad_(), D.double().requires_grad_()
+    fn = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+    fn(Q64, D64, q_mask, d_mask, normalize=v["normalize"]).backward(grad_out.double())
+    for got, want, what in ((GQ, Q64.grad, "grad_Q"), (GD, D64.grad, "grad_D")):
+        assert got.dtype == v["dtype"] and not got.isnan().any(), f"{what}: unwritten"
+        assert relative_error(got, want) < fp32_bound(v["dtype"]), what
+
+
+@contextlib.contextmanager
+def _poisoned_empty(monkeypatch):
+    """torch.empty inside metal.backward returns NaN-filled tensors: every gradient
+    element must be written by the kernels."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(float("nan"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(metal.torch, "empty", poisoned)
+        yield
+
+
+# --- (c) the runtime path, through the public API -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout, name",
+    [("dense", "maxsim_dense_qdmask_fp32_metal_norm_lowmem"),
+     ("kd", "maxsim_kd_dmask_fp16_metal_lowmem"),
+     ("pairs", "maxsim_pairs_qdmask_bf16_metal_norm_lowmem")],
+)  # fmt: skip
+def test_training_through_the_api_runs_the_metal_kernels(fake_mps, monkeypatch, layout, name):
+    calls, compiled = fake_mps
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")  # pairs of this size would be "tiny"
+    v = parse(name)
+    Q, D, q_mask, d_mask = make_inputs(layout, v["dtype"], 4, 5, 16, 20, 24,
+                                       v["has_q_mask"], v["has_d_mask"], seed=2)  # fmt: skip
+    Q.requires_grad_()
+    D.requires_grad_()
+    call = api.maxsim_pairs if layout == "pairs" else api.maxsim
+    scores = call(Q, D, q_mask, d_mask, normalize=v["normalize"], backward="unified")
+    grad_out = torch.randn(scores.shape)
+    scores.backward(grad_out)
+    assert compiled == [name], "Metal has one backward strategy: unified runs it too"
+    assert [c[0] for c in calls] == [f"{name}_forward", f"{name}_grad_q", f"{name}_grad_d"]
+    Q64, D64 = Q.detach().double().requires_grad_(), D.detach().double().requires_grad_()
+    fn = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+    ref = fn(Q64, D64, q_mask, d_mask, normalize=v["normalize"])
+    ref.backward(grad_out.double())
+    assert relative_error(scores.detach(), ref.detach()) < fp32_bound(v["dtype"])
+    assert relative_error(Q.grad, Q64.grad) < fp32_bound(v["dtype"])
+    assert relative_error(D.grad, D64.grad) < fp32_bound(v["dtype"])
+
+
+def test_launch_grid_and_scalar_arguments(fake_mps):
+    calls, _ = fake_mps
+    Q, D, _, _ = make_inputs("dense", torch.float32, 5, 7, 16, 20, 24, False, False)
+    api.maxsim(Q, D)
+    ((kernel, args, threads, group_size),) = calls
+    assert kernel == "maxsim_dense_nomask_fp32_metal_forward"
+    assert threads == 5 * 7 * 32 and group_size == 128  # one simdgroup per (query, doc) pair
+    assert args[0] is Q and args[1] is D and args[2].shape == (5, 7)
+    assert args[3:7] == (5, 16, 20, 24)  # Nq, Lq, Ld, dim
+    assert args[7:] == Q.stride() + D.stride() + args[2].stride()
+
+
+def test_grad_launch_grids(fake_mps):
+    calls, _ = fake_mps
+    Q, D, _, d_mask = make_inputs("kd", torch.float16, 3, 2, 16, 48, 24, False, True)
+    Q.requires_grad_()
+    api.maxsim(Q, D, None, d_mask).sum().backward()
+    grids = {kernel: (threads, group_size) for kernel, _, threads, group_size in calls}
+    name = "maxsim_kd_dmask_fp16_metal_lowmem"
+    assert grids[f"{name}_forward"] == (3 * 2 * 32, 128)  # one simdgroup per (query, doc)
+    assert grids[f"{name}_grad_q"] == (3 * 16 * 32, 128)  # one per query token
+    assert grids[f"{name}_grad_d"] == (3 * 2 * 48 * 32, 128)  # one per doc token
+
+
+def test_variant_compiles_once_per_process_under_a_lock(fake_mps):
+    _, compiled = fake_mps
+    name = "maxsim_dense_nomask_fp32_metal"
+    threads = [threading.Thread(target=metal._compile, args=(name,)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    metal._compile(name)
+    assert compiled == [name]
+
+
+def test_compile_failure_is_reported_once_then_falls_back(fake_mps, monkeypatch):
+    attempts, compiles = [], []
+
+    def failing(source):
+        attempts.append(source)
+        raise RuntimeError("program_source:12:5: error: use of undeclared identifier")
+
+    def spy_compile(fn, **kwargs):
+        compiles.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(metal, "compile_shader", failing)
+    monkeypatch.setattr(metal.torch, "compile", spy_compile)
+    Q, D, _, _ = make_inputs("dense", torch.float32, 4, 5, 16, 20, 24, False, False)
+    with pytest.warns(RuntimeWarning, match="did not compile.*undeclared identifier"):
+        first = api.maxsim(Q, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = api.maxsim(Q, D)
+    assert len(attempts) == 1 and compiles == [{"dynamic": True}]
+    ref = maxsim_reference(Q.double(), D.double())
+    assert relative_error(first, ref) < 1e-5 and torch.equal(first, second)
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")
+    with pytest.raises(metal.MetalCompileError, match="undeclared identifier"):
+        api.maxsim(Q, D)
+
+
+@pytest.mark.parametrize(
+    "dim, Lq, Ld, expected",
+    [(24, 16, 20, "metal"), (12, 16, 20, "compile"), (136, 16, 20, "compile"),
+     (24, 16, 2**15, "compile"), (24, 2, 3, "reference"), (24, 0, 20, "reference")],
+)  # fmt: skip
+def test_envelope_picks_the_path(fake_mps, dim, Lq, Ld, expected):
+    Q, D = torch.zeros(4, Lq, dim), torch.zeros(5, Ld, dim)
+    assert metal.choose_backend("dense", Q, D) == expected
+
+
+@pytest.mark.parametrize("forced", metal.BACKENDS)
+def test_forced_backend(fake_mps, monkeypatch, forced):
+    calls, _ = fake_mps
+    monkeypatch.setenv(metal.FORCE_ENV, forced)
+    monkeypatch.setattr(metal.torch, "compile", lambda fn, **kwargs: fn)
+    Q, D, _, _ = make_inputs("pairs", torch.float16, 2, 2, 3, 5, 8, False, False)
+    out = api.maxsim_pairs(Q, D)  # tiny: the reference unless forced otherwise
+    assert relative_error(out, reference("pairs", Q, D, None, None, False)) < 1e-5
+    assert bool(calls) == (forced == "metal")
+    assert forced in dispatch.describe_backend("cpu")
+
+
+def test_forced_metal_outside_its_envelope_and_bad_values_raise(fake_mps, monkeypatch):
+    Q, D = torch.randn(2, 4, 12), torch.randn(3, 5, 12)
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")
+    with pytest.raises(ValueError, match="head dim 12 is not a multiple of 8"):
+        api.maxsim(Q, D)
+    monkeypatch.setenv(metal.FORCE_ENV, "fast")
+    with pytest.raises(ValueError, match="LIK_FORCE_MPS_BACKEND must be one of"):
+        api.maxsim(Q, D)
+
+
+def test_kernels_refuse_an_int32_argmax(fake_mps):
+    Q, D, _, _ = make_inputs("dense", torch.float32, 2, 2, 8, 8, 8, False, False)
+    out, argmax = torch.empty(2, 2), torch.empty(2, 2, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int16 argmax"):
+        metal.forward("dense", Q, D, None, None, False, out, backward="lowmem", argmax=argmax)
+    assert autograd._argmax_dtype(D) == torch.int16  # what the autograd glue hands Metal
+
+
+def test_mps_devices_route_to_metal():
+    assert metal.handles(torch.device("mps")) and not metal.handles(torch.device("cpu"))
+    assert "Metal" in dispatch.describe_backend("mps")
+
+
+def test_hand_edited_metal_source_is_refused(monkeypatch, tmp_path):
+    name = METAL_NAMES[0]
+    (tmp_path / "metal").mkdir()
+    text = (GENERATED / "metal" / f"{name}.metal").read_text()
+    (tmp_path / "metal" / f"{name}.metal").write_text(text.replace("total", "sum", 1))
+    monkeypatch.setattr(metal.importlib.resources, "files", lambda package: tmp_path)
+    with pytest.raises(registry.GeneratedFileError, match="edited by hand"):
+        metal.source(name)
