@@ -9,16 +9,35 @@ VPY := $(VENV)/bin/python
 # build. Installing the CPU release first makes the project install keep it.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.lik-setup-done
+INTEGRATIONS_STAMP := $(VENV)/.lik-integrations-done
+# The libraries the integration tests compare against, and what their score and loss
+# modules import, pinned. --no-deps: their own requirements pin torch builds (fast-plaid,
+# torchvision) that would replace the CPU torch above.
+INTEGRATIONS := pylate==1.6.0 colpali-engine==0.3.18 \
+	transformers==5.3.0 sentence-transformers==5.3.0 huggingface-hub==1.33.0 \
+	tokenizers==0.22.2 safetensors==0.8.0 regex==2026.11.19 pyyaml==6.0.4 tqdm==4.70.1 \
+	packaging==26.4 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 idna==3.20 \
+	certifi==2026.10.19.post1 datasets==5.2.0 pyarrow==26.0.1 pandas==3.1.1 \
+	python-dateutil==4.0.0 dill==0.4.1 multiprocess==0.70.19 xxhash==4.1.0 \
+	scipy==1.17.1 scikit-learn==1.9.1 joblib==1.6.0 threadpoolctl==3.8.0 \
+	narwhals==2.29.0 cloudpickle==3.1.3 pillow==13.0.0
 
-.PHONY: setup generate check lint test demo bench tune test-gpu clean
+.PHONY: setup setup-integrations generate check lint test demo bench tune test-gpu clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(INTEGRATIONS_STAMP)
 
 # Re-runs only when pyproject.toml changes (new dependencies); otherwise a no-op.
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install $(TORCH)
 	$(VPY) -m pip install -e '.[dev]'
+	touch $@
+
+setup-integrations: $(INTEGRATIONS_STAMP)
+
+# Re-runs after the project install or when the pins above change.
+$(INTEGRATIONS_STAMP): $(STAMP) Makefile
+	$(VPY) -m pip install --no-deps $(INTEGRATIONS)
 	touch $@
 
 generate: setup
