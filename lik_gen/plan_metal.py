@@ -47,6 +47,7 @@ SCALAR_DECL = "constant long&"  # sizes and strides: Python ints bind as int64
 MAX_BUFFERS = 31  # buffer arguments a Metal kernel can bind (scalars included)
 
 MODULE_TEMPLATE = "metal/maxsim.metal.j2"
+ROW_HELPERS = "metal/partials/rows.metal.j2"  # what the backward kernels share
 BACKWARD_TEMPLATE = {Backward.LOWMEM: "metal/backward/lowmem.metal.j2"}
 NO_TEMPLATE = ""
 
@@ -101,6 +102,7 @@ class MetalRenderContext:
     grad_d: MetalKernel | None
     launch_json: str
     element_hook: str
+    row_helpers: str  # empty without a backward, so headers list only what is used
     module_template: str
     backward_template: str
     output_doc: str
@@ -242,6 +244,7 @@ def plan_metal(variant: Variant) -> MetalRenderContext:
         grad_d=kernels.get("grad_d"),
         launch_json=_launch_json(variant, kernels),
         element_hook=ELEMENT_HOOK[variant.dtype],
+        row_helpers=ROW_HELPERS if backward is not Backward.NONE else NO_TEMPLATE,
         module_template=MODULE_TEMPLATE,
         backward_template=BACKWARD_TEMPLATE.get(backward, NO_TEMPLATE),
         output_doc=shape["output"],
