@@ -359,7 +359,8 @@ def plan(variant: Variant):
         raise PlanError(f"{variant.name}: layout {variant.layout.value!r} has no template yet")
     shape = _LAYOUT[variant.layout]
     if variant.backward is Backward.LOWMEM and variant.layout not in _KERNEL_SIZES["bwd_q"]:
-        raise PlanError(f"{variant.name}: the lowmem backward has no {variant.layout.value} template")
+        layout = variant.layout.value
+        raise PlanError(f"{variant.name}: the lowmem backward has no {layout} template")
     args = _kernel_args(variant)
     formulas = _formulas(variant)
     blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l",

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a95f40c7b565b9959fab89bd61fc55edfc90c6b894cb9bffc2ea189908044207
+# body-sha256: 840b42720dda62a6acafb090c888c9162c7ad4f09e42e66814d8a6d65801d909
 
 """MaxSim training (unified backward) for maxsim_dense_qdmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -109,6 +109,9 @@ def maxsim_dense_qdmask_fp16_triton_norm_unified_fwd_kernel(
     d_mask_base = doc * stride_dmb
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
+    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    nan_probe = tl.zeros([QUERY_GROUP * BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
@@ -118,6 +121,7 @@ def maxsim_dense_qdmask_fp16_triton_norm_unified_fwd_kernel(
         t_valid = (offs_t < d_len) & (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
+        nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
@@ -128,6 +132,7 @@ def maxsim_dense_qdmask_fp16_triton_norm_unified_fwd_kernel(
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
@@ -382,6 +387,8 @@ def _finish(G, X, config):
     # Row views: X's last axis is the head dim; other axes fold into rows (a copy only if X
     # cannot be viewed that way).
     X2 = X.reshape(-1, X.shape[-1])
+    if X2.stride(1) != 1:  # the Jacobian pass reads unit-stride rows: a strided head dim is copied
+        X2 = X2.contiguous()
     G2 = G.view(-1, G.shape[-1])
     out = torch.empty(X2.shape, dtype=X.dtype, device=X.device)
     n_rows, dim = X2.shape

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cd7a6cf49ab1acfe5544d9efb3ce03f1f12aab1c02082b7a8c1767aa3737f099
+# body-sha256: d961fde548785e0541a469ea79e7cecc6bb830b146036c3a2cc24125c846f672
 
 """MaxSim training (unified backward) for maxsim_kd_dmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -80,6 +80,9 @@ def maxsim_kd_dmask_fp32_triton_unified_fwd_kernel(
     d_mask_base = query * stride_dmb + doc * stride_dmc
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
+    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
@@ -88,6 +91,7 @@ def maxsim_kd_dmask_fp32_triton_unified_fwd_kernel(
         t_valid = (offs_t < d_len) & (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
+        nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
@@ -97,6 +101,7 @@ def maxsim_kd_dmask_fp32_triton_unified_fwd_kernel(
         best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)

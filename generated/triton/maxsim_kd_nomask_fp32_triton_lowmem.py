@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4109273b96d431dc0898f437b899d90c684db7a904f37a56879aa8e27e37363e
+# body-sha256: 1b04394e7abf7f056f28eda6012bf201edbd43a24286bf05646bee2fe80efbba
 
 """MaxSim training (lowmem backward) for maxsim_kd_nomask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -75,12 +75,16 @@ def maxsim_kd_nomask_fp32_triton_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
+    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = offs_t < d_len
+        nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
@@ -90,6 +94,7 @@ def maxsim_kd_nomask_fp32_triton_lowmem_fwd_kernel(
         best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
         best = tl.where(better, tile_best, best)
 
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
@@ -135,7 +140,8 @@ def maxsim_kd_nomask_fp32_triton_lowmem_bwd_q_kernel(
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
-    for doc in range(0, K):
+    for doc_index in range(0, K):
+        doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         index = tl.load(
             Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 79d368fa4db72d37028fcf74043e214a2ee4ec4ea6d71646403b6da2bea0f6ef
+# body-sha256: 7cbc66001cbad879ae406090204bed69f3ea738704cf9c3764f2d69f4ae5ab6b
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -98,6 +98,9 @@ def maxsim_pairs_qdmask_fp32_triton_norm_unified_fwd_kernel(
     d_mask_base = query * stride_dmb
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
+    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
@@ -107,6 +110,7 @@ def maxsim_pairs_qdmask_fp32_triton_norm_unified_fwd_kernel(
         t_valid = (offs_t < d_len) & (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
+        nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
@@ -117,6 +121,7 @@ def maxsim_pairs_qdmask_fp32_triton_norm_unified_fwd_kernel(
         best = tl.where(better, tile_best, best)
 
     best = best * q_scale
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
@@ -354,6 +359,8 @@ def _finish(G, X, config):
     # Row views: X's last axis is the head dim; other axes fold into rows (a copy only if X
     # cannot be viewed that way).
     X2 = X.reshape(-1, X.shape[-1])
+    if X2.stride(1) != 1:  # the Jacobian pass reads unit-stride rows: a strided head dim is copied
+        X2 = X2.contiguous()
     G2 = G.view(-1, G.shape[-1])
     out = torch.empty(X2.shape, dtype=X.dtype, device=X.device)
     n_rows, dim = X2.shape
