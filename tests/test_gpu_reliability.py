@@ -122,7 +122,8 @@ print(err(Q.grad[rows], Qr.grad), err(D.grad[cols], Dr.grad))
 )
 def test_backward_past_2_31_elements(case, backward):
     run = subprocess.run(
-        [sys.executable, "-c", _BACKWARD_SCRIPT, case, backward],
+        # -P: a source checkout's lik/ folder must not shadow the installed package.
+        [sys.executable, "-P", "-c", _BACKWARD_SCRIPT, case, backward],
         capture_output=True,
         text=True,
         timeout=600,

@@ -562,7 +562,8 @@ for name, (score, reference, q, d) in cases.items():
 )
 def test_offsets_past_2_31_elements_with_huge_strides(backward):
     run = subprocess.run(
-        [sys.executable, "-c", _HUGE_STRIDE_SCRIPT, backward],
+        # -P: a source checkout's lik/ folder must not shadow the installed package.
+        [sys.executable, "-P", "-c", _HUGE_STRIDE_SCRIPT, backward],
         capture_output=True,
         text=True,
         timeout=300,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4c6a8a53e346c061f373b9e8f8bae3d80f2ef0b904905ed3df988dccbb8660c3
+# body-sha256: 49a17bb593468b883903a713a4585ac90297a22f39dd2a5c8c0f0020abe4ee10
 
 """MaxSim training (unified backward) for maxsim_dense_dmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -85,8 +85,8 @@ def maxsim_dense_dmask_fp32_triton_unified_fwd_kernel(
     d_mask_base = doc * stride_dmb
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([QUERY_GROUP * BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

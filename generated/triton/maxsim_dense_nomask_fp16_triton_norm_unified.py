@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1349f644adce0ad472a54348671b2f1843e9281f5aa6e9f1794f777834152097
+# body-sha256: 8e8ac02d9900b00fed46b5977c855f8472c87134a97b6b39bf0f3cae845f86cb
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -100,8 +100,8 @@ def maxsim_dense_nomask_fp16_triton_norm_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([QUERY_GROUP * BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

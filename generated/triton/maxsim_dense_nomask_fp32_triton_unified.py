@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 363c1be5e628639ccb9f70828e449e4e86b424caf87a97d9c3a05d86c9ab85a5
+# body-sha256: e4cd04dcd64f06be663070ecac99ed4f7ec3d5eadd9acc3274d7ac6d3baf19fe
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -81,8 +81,8 @@ def maxsim_dense_nomask_fp32_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([QUERY_GROUP * BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 331cc9ae363635ec1f76bbe21a263e81a3590257e28a3ba04e2210c7754733ee
+# body-sha256: a36953d4674dd4640e7b2ff2253ffe10b068e288ec03840282c95fdc35c132e7
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -105,8 +105,8 @@ def maxsim_dense_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([QUERY_GROUP * BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 13235e00a746cc84d464d9086e852aaf676141edb4366c220d6a76c9dcaf7a19
+# body-sha256: 4c0453ce7aa87a9a197a63d48c8d99f357dee25df9d6a606001dfec06c79e724
 
 """MaxSim training (unified backward) for maxsim_dense_qmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -105,8 +105,8 @@ def maxsim_dense_qmask_fp32_triton_norm_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([QUERY_GROUP * BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ad5e5ff7a2b64c39ef61c303a6b41736b48be97c0c190ebf68c5f34be5c33355
+# body-sha256: 3523b3a4b68f1cc3d7fb0fb6f68a37505bf019d0fb3d2f313122be15133ab343
 
 """MaxSim forward for maxsim_kd_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,12 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    """max that returns NaN when either side is NaN (the hardware max drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -76,9 +82,6 @@ def maxsim_kd_dmask_fp32_triton_fwd_kernel(
     d_mask_base = query * stride_dmb + doc * stride_dmc
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
-    nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
@@ -86,11 +89,10 @@ def maxsim_kd_dmask_fp32_triton_fwd_kernel(
         t_valid = (offs_t < d_len) & (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
-        nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        best = tl.maximum(best, tl.max(sim, axis=1))
+        # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b9def9dec5925cedb4f42798ec1ba2053eb19be021f2cdd4bdd30147ae526072
+# body-sha256: 2e02ca8556105a2f3c90b87ce3af629fb508953238f722c526c4239d681c5c58
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -16,6 +16,12 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    """max that returns NaN when either side is NaN (the hardware max drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -90,19 +96,15 @@ def maxsim_packedpairs_nomask_bf16_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
-    nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = offs_t < d_len
-        nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        best = tl.maximum(best, tl.max(sim, axis=1))
+        # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3721d7c25b3346e51a0ef464283e8155974a88cf1158d9c32d85a40dbded4cc0
+# body-sha256: c8fc5b42bc051eefaf6553f528ffe7bf53bebb915e8c138893bbfd66b2838486
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -93,8 +93,8 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 51d5387b6097ebc837183c7ed8cd88e1103f1b4bc86f34646f0f62e94a28b94b
+# body-sha256: 05cd969b9a6222531dfadf0f89f743d3be03b49062ec8573152435a4b7a1aea2
 
 """MaxSim training (unified backward) for maxsim_pairs_dmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -93,8 +93,8 @@ def maxsim_pairs_dmask_fp16_triton_norm_unified_fwd_kernel(
     d_mask_base = query * stride_dmb
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: dfc44fc974b7ddde7225e312c08ce580ade97c4df3f86c9c6ae467632372f9ee
+# body-sha256: 19e1a0a50a85aa14b5d0537464094d0c86ad13fd645217133260927af74064b5
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -89,8 +89,8 @@ def maxsim_pairs_nomask_bf16_triton_norm_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7c77f0e9469a409fb2361f90a109191a98cf924bb0130806f5c3217a68595b36
+# body-sha256: 06db3141d9a020c1780e3fcb018fc65f0424edae7c83987035ddbbe861891346
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -70,8 +70,8 @@ def maxsim_pairs_nomask_fp32_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: aba42f0faa32acf48c82433dbb8b154854d90d7516ecb7c1ed3e5979fc9e3a29
+# body-sha256: 6b7aee13f38800c5291a2b6289b3ddef7af5d109baf42fc18c9670838b440396
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -98,8 +98,8 @@ def maxsim_pairs_qdmask_bf16_triton_norm_unified_fwd_kernel(
     d_mask_base = query * stride_dmb
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 160296762cc94cd9b99f5f8737a5548707d0e753af469f34b5419d5d17dce0e1
+# body-sha256: 1b31122e8a59408a3747279380347b31d22089c79bbd86005d7bc2361e431e8d
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -94,8 +94,8 @@ def maxsim_pairs_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):

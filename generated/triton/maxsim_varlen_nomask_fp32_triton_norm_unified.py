@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8d3b8870adc60c040847f5ad179cbe045713617bfdd12b23d7501374966290e2
+# body-sha256: 7e1a52b6e8fbe7d60e4c817147826404ccc2bbeae646416aaacea9af8b957b39
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -105,8 +105,8 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # max() drops NaN; a running sum of the valid similarities keeps it (and turns an
-    # inf input into NaN), so a non-finite input can never give a silent finite score.
+    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
