@@ -16,6 +16,9 @@ import enum
 
 class Op(enum.Enum):
     MAXSIM = "maxsim"
+    # MaxSim scores reduced in the kernel to each block of docs' best candidates per
+    # query (retrieval without an [Nq, Nd] buffer).
+    TOPK = "topk"
 
 
 class Layout(enum.Enum):
@@ -84,7 +87,7 @@ OPTIONAL_AXES = ("normalize", "decompression", "backward")
 DEFAULTS = {"normalize": False, "decompression": Decompression.NONE, "backward": Backward.NONE}
 
 _TOKENS: dict[str, dict[object, str]] = {
-    "op": {Op.MAXSIM: "maxsim"},
+    "op": {Op.MAXSIM: "maxsim", Op.TOPK: "topk"},
     "layout": {
         Layout.DENSE: "dense",
         Layout.KD: "kd",

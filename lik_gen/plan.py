@@ -13,7 +13,7 @@ import functools
 import sympy
 from sympy.printing.pycode import PythonCodePrinter
 
-from lik_gen.ir import Backward, Decompression, DType, Layout, Target, Variant
+from lik_gen.ir import Backward, Decompression, DType, Layout, Op, Target, Variant
 
 # One lookup table per spelling: never format a type inline.
 TORCH_DTYPE = {
@@ -120,6 +120,7 @@ class RenderContext:
     backward_launch_template: str
     output_doc: str
     argmax_doc: str
+    topk: bool
 
 
 class PlanError(ValueError):
@@ -154,6 +155,7 @@ Nq, Nd, K, B, P, Lq, Ld, n_rows = sympy.symbols(
 BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, QUERY_GROUP, num_stages = sympy.symbols(
     "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R QUERY_GROUP num_stages", integer=True, positive=True
 )
+DOCS_PER_PROGRAM = sympy.Symbol("DOCS_PER_PROGRAM", integer=True, positive=True)
 _PADDED_Q = (("Nq", "Q.shape[0]"), ("Lq", "Q.shape[1]"), ("dim", "Q.shape[2]"))
 _RAGGED = (("Nq", "cu_seqlens_q.shape[0] - 1"), ("Nd", "cu_seqlens_d.shape[0] - 1"),
            ("dim", "Q.shape[1]"), ("total_q", "Q.shape[0]"), ("total_d", "D.shape[0]"))  # fmt: skip
@@ -227,7 +229,10 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     ragged = [KernelArg(name, name) for name in shape["ragged"]]
 
     def sizes(kernel: str) -> list[KernelArg]:
-        return [KernelArg(s, s) for s in _KERNEL_SIZES[kernel].get(layout, ()) + ("dim",)]
+        names = _KERNEL_SIZES[kernel].get(layout, ())
+        if kernel == "fwd" and variant.op is Op.TOPK:
+            names = ("Nq", "Nd", "Lq", "Ld")  # blocks of docs end at Nd
+        return [KernelArg(s, s) for s in names + ("dim",)]
 
     q, q_strides = [KernelArg("Q", "Q")], _strides("q", "Q", q_axes)
     d, d_strides = [KernelArg("D", "D")], _strides("d", "D", doc_axes)
@@ -247,8 +252,15 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
         fwd_strides += _strides("qm", "q_mask", ("b", "s"))
     if variant.mask.has_d:
         fwd_strides += _strides("dm", "d_mask", doc_axes[:-1])
-    fwd += ragged + [KernelArg("Out", "out")]
-    fwd_strides += _strides("o", "out", pair_axes)
+    if variant.op is Op.TOPK:
+        # Each program writes its doc block's best TOP_K (score, doc) per query.
+        fwd += [KernelArg("CandScores", "out"), KernelArg("CandDocs", "cand_docs")]
+        fwd_strides += _strides("cs", "out", ("b", "c", "k")) + _strides(
+            "cd", "cand_docs", ("b", "c", "k")
+        )
+    else:
+        fwd += ragged + [KernelArg("Out", "out")]
+        fwd_strides += _strides("o", "out", pair_axes)
     if variant.backward is not Backward.NONE:
         fwd += argmax
         fwd_strides += argmax_strides
@@ -274,7 +286,13 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     queries, docs = shape["queries"], shape["docs"]
     pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
     element = ELEMENT_BYTES[variant.dtype]
-    if variant.layout is Layout.DENSE:
+    if variant.op is Op.TOPK:
+        forward_programs = sympy.ceiling(queries / QUERY_GROUP) * sympy.ceiling(
+            docs / DOCS_PER_PROGRAM
+        )
+        grid_params = pair_params + ("QUERY_GROUP", "DOCS_PER_PROGRAM")
+        grid_doc = "(group of queries, block of documents)"
+    elif variant.layout is Layout.DENSE:
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * docs
         grid_params, grid_doc = pair_params + ("QUERY_GROUP",), "(group of queries, document)"
     else:
@@ -339,6 +357,14 @@ def _grid_call_params(
     return ()
 
 
+def _purpose(variant: Variant) -> str:
+    if variant.op is Op.TOPK:
+        return "top-k candidates (retrieval)"
+    if variant.backward is Backward.NONE:
+        return "forward"
+    return f"training ({variant.backward.value} backward)"
+
+
 def plan(variant: Variant):
     """The render context of a variant: a RenderContext for Triton, or the Metal
     planner's context (lik_gen.plan_metal) for target = "metal"."""
@@ -364,7 +390,8 @@ def plan(variant: Variant):
     args = _kernel_args(variant)
     formulas = _formulas(variant)
     blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l",
-              "QUERY_GROUP": "config.query_group"}  # fmt: skip
+              "QUERY_GROUP": "config.query_group",
+              "DOCS_PER_PROGRAM": "config.docs_per_program"}  # fmt: skip
     # Tensors the runtime hands to launch() and backward() by keyword, after Q and D.
     ragged = shape["ragged"]
     launcher_args = ["Q", "D", *ragged]
@@ -373,10 +400,13 @@ def plan(variant: Variant):
     if variant.mask.has_d:
         launcher_args.append("d_mask")
     keywords = ("max_seqlen_q",) if ragged else ()
+    if variant.op is Op.TOPK:
+        keywords = ("cand_docs",)
     backward = variant.backward
     return RenderContext(
         name=variant.name,
-        purpose="forward" if backward is Backward.NONE else f"training ({backward.value} backward)",
+        purpose=_purpose(variant),
+        topk=variant.op is Op.TOPK,
         layout=variant.layout.value,
         has_q_mask=variant.mask.has_q,
         has_d_mask=variant.mask.has_d,
@@ -396,7 +426,9 @@ def plan(variant: Variant):
         bwd_args=args["bwd"] if backward is Backward.UNIFIED else (),
         bwd_q_args=args["bwd_q"] if backward is Backward.LOWMEM else (),
         bwd_d_args=args["bwd_d"] if backward is Backward.LOWMEM else (),
-        fwd_dynamic=_KERNEL_SIZES["fwd"][variant.layout],
+        fwd_dynamic=("Nq", "Nd", "Lq", "Ld")
+        if variant.op is Op.TOPK
+        else _KERNEL_SIZES["fwd"][variant.layout],
         bwd_dynamic=_KERNEL_SIZES["bwd"][variant.layout],
         bwd_q_dynamic=_KERNEL_SIZES["bwd_q"].get(variant.layout, ()),
         bwd_d_dynamic=_KERNEL_SIZES["bwd_d"].get(variant.layout, ()),

@@ -36,6 +36,7 @@ from lik_gen.ir import (
     Decompression,
     DType,
     Layout,
+    Op,
     Variant,
     allowed_values,
     coerce,
@@ -89,6 +90,11 @@ class SpecVariant:
 
 # Combinations that can never be built, whatever a spec says. Each is (test, why).
 CONTRADICTIONS: tuple[tuple[Callable[[Variant], bool], str], ...] = (
+    (
+        lambda v: v.op is Op.TOPK
+        and (v.layout is not Layout.DENSE or v.backward is not Backward.NONE),
+        "the top-k epilogue ranks a corpus (dense layout) for inference: no backward",
+    ),
     (
         lambda v: v.dtype is DType.FP8E4M3 and v.backward is not Backward.NONE,
         "fp8 is an inference format: a backward needs fp32, fp16 or bf16 inputs",

@@ -19,6 +19,7 @@ from lik.runtime.keys import (
     KernelKey,
     gpu_family,
     lq_bucket,
+    next_power_of_two,
     padded_head_dim,
     query_bucket,
     size_class,
@@ -249,3 +250,34 @@ def backward_ragged(
         module.backward, config, grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q
     )
     return grads
+
+
+# Programs the top-k epilogue aims for (a few waves on a 132-SM GPU); each walks a block
+# of docs, a power of two between these bounds.
+TOPK_TARGET_PROGRAMS = 1024
+TOPK_DOCS_PER_PROGRAM = (16, 1024)
+
+
+def topk_candidates(Q, D, q_mask, d_mask, normalize: bool, k: int):
+    """Each doc block's best top_k (scores fp32, docs int64) per query, from the top-k
+    epilogue: [Nq, blocks, K] each, with K = k rounded up to a power of two. Empty
+    slots score -inf with negative docs. Q [Nq, Lq <= LQ_CHUNK, d], D [Nd, Ld, d]."""
+    name = variant_name("dense", q_mask is not None, d_mask is not None, normalize, Q.dtype,
+                        op="topk")  # fmt: skip
+    module = registry.load(name)
+    Nq, Nd = Q.shape[0], D.shape[0]
+    config = _config(name, module, Q, Q.shape[1], Nq * Nd)
+    groups = -(-Nq // config.query_group)
+    low, high = TOPK_DOCS_PER_PROGRAM
+    docs = min(high, max(low, next_power_of_two(-(-Nd * groups // TOPK_TARGET_PROGRAMS))))
+    config = dataclasses.replace(config, top_k=next_power_of_two(k), docs_per_program=docs)
+    blocks = -(-Nd // docs)
+    scores = torch.empty((Nq, blocks, config.top_k), dtype=torch.float32, device=Q.device)
+    doc_ids = torch.empty((Nq, blocks, config.top_k), dtype=torch.int64, device=Q.device)
+    masks = {}
+    if q_mask is not None:
+        masks["q_mask"] = _mask_arg(q_mask)
+    if d_mask is not None:
+        masks["d_mask"] = _mask_arg(d_mask)
+    _launch(module.launch, config, scores, Q, D, cand_docs=doc_ids, **masks)
+    return scores, doc_ids

@@ -67,6 +67,7 @@ def variant_name(
     dtype: torch.dtype,
     target: str = "triton",
     backward: str = "none",
+    op: str = "maxsim",
 ) -> str:
     """The canonical generated-variant name (see lik_gen.ir.Variant.name)."""
     mask = {
@@ -76,7 +77,7 @@ def variant_name(
         (True, True): "qdmask",
     }[(has_q_mask, has_d_mask)]
     layout_token = layout.replace("_", "")  # packed_pairs -> packedpairs
-    name = f"maxsim_{layout_token}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
+    name = f"{op}_{layout_token}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
     if normalize:
         name += "_norm"
     if backward != "none":

@@ -18,8 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lik.runtime import validate
+from lik.runtime import dispatch, validate
 from lik.runtime.api import maxsim
+from lik.runtime.keys import LQ_CHUNK
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
 _D_DOC = "[Nd, Ld, d]"
@@ -33,6 +34,8 @@ _SIGN_CLEAR = 0x7FFFFFFF
 # H200: 435 MiB peak above the inputs when encoded whole, 81 MiB in blocks, 64 MiB of
 # which are the fp32 scores themselves.
 KEY_BLOCK_ELEMENTS = 1 << 19
+# Largest k the in-kernel top-k keeps per doc block (its slots live in registers).
+TOPK_MAX_K = 128
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,6 +186,35 @@ def _top_k_by_chunks(Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted)
     return best
 
 
+def _top_k_in_kernel(Q, D, k, q_mask, d_mask, normalize, sorted):
+    """[Nq, k] best per query through the top-k epilogue: every doc is scored, but only
+    each doc block's k best per query ever reach memory (no [Nq, Nd] buffer)."""
+    Q3 = Q if Q.dim() == 3 else Q[None]
+    q_expected = tuple(Q.shape[:-1])
+    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device, f"{list(q_expected)}")
+    qm = q_mask if q_mask is None or Q.dim() == 3 else q_mask[None]
+    scores, docs = dispatch.topk_candidates(Q3, D, qm, d_mask, normalize, k)
+    rows = Q3.shape[0]
+    scores, docs = scores.view(rows, -1), docs.view(rows, -1)
+    # Empty slots (score -inf) get distinct ids past the corpus; with k <= Nd real
+    # candidates they are never chosen.
+    spare = D.shape[0] + torch.arange(docs.shape[1], device=docs.device)
+    docs = torch.where(docs < 0, spare, docs)
+    return merge_top_k([(scores, docs)], k, largest=True, sorted=sorted)
+
+
+def _epilogue_applies(Q, D, k, chunk, largest) -> bool:
+    """The in-kernel top-k serves unchunked, largest-first calls on the kernel path."""
+    return (
+        chunk is None
+        and largest
+        and 0 < k <= TOPK_MAX_K
+        and D.shape[0] > 0
+        and Q.shape[-2] <= LQ_CHUNK
+        and dispatch.backend(Q.device) in ("triton", "interpreter")
+    )
+
+
 def retrieve(
     Q: torch.Tensor,
     D: torch.Tensor,
@@ -208,7 +240,12 @@ def retrieve(
     top_k, chunk, d_mask = _validated(Q, D, top_k, q_mask, d_mask, chunk)
     k = min(top_k, D.shape[0])
     with torch.no_grad():
-        scores, ids = _top_k_by_chunks(Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted)
+        if _epilogue_applies(Q, D, k, chunk, largest):
+            scores, ids = _top_k_in_kernel(Q, D, k, q_mask, d_mask, normalize, sorted)
+        else:
+            scores, ids = _top_k_by_chunks(
+                Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted
+            )
     if Q.dim() == 2:
         return scores[0], ids[0]
     return scores, ids

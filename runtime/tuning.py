@@ -28,6 +28,8 @@ class LaunchConfig:
     num_stages: int
     block_n: int = 8  # docs per program of the unified backward
     query_group: int = 1  # queries stacked per forward program (dense layout)
+    top_k: int = 1  # candidates kept per query and doc block (top-k epilogue)
+    docs_per_program: int = 256  # docs one top-k program walks
     interpret: bool = False
 
 

@@ -209,3 +209,30 @@ def test_merge_top_k_in_small_key_blocks(monkeypatch, largest):
     best_scores, best_ids = merge_top_k([(scores, ids)], 11, largest=largest)
     expected_scores, expected_ids = reference_top_k(scores, 11, largest=largest)
     assert torch.equal(best_ids, expected_ids) and torch.equal(best_scores, expected_scores)
+
+
+@pytest.mark.skipif(
+    retrieval_module.dispatch.backend(torch.device(DEVICE)) == "reference",
+    reason="the top-k epilogue runs on the kernel path",
+)
+@pytest.mark.parametrize("top_k", [1, 3, 6])
+def test_in_kernel_top_k_matches_full_scores_across_doc_blocks(monkeypatch, top_k):
+    """Unchunked retrieve keeps only each doc block's best inside the kernel; with 40
+    docs in blocks of 16 and duplicates across blocks, ties still keep the lower index."""
+    calls = []
+    real = retrieval_module.dispatch.topk_candidates
+    monkeypatch.setattr(
+        retrieval_module.dispatch,
+        "topk_candidates",
+        lambda *a, **k: calls.append(a) or real(*a, **k),
+    )
+    Q, D = integer_corpus(torch.Generator().manual_seed(3), Nq=3, Nd=40)
+    D[[21, 35]] = D[3].clone()  # copies of doc 3 in the second and third blocks
+    d_mask = torch.rand(40, 5, generator=torch.Generator().manual_seed(4)) < 0.8
+    d_mask = d_mask.to(DEVICE)
+    full = maxsim_reference(Q.double(), D.double(), None, d_mask).float()
+    scores, indices = retrieve(Q, D, top_k, d_mask=d_mask, normalize=False)
+    want_scores, want_indices = reference_top_k(full, top_k)
+    assert calls, "the epilogue path was not taken"
+    assert torch.equal(indices.cpu(), want_indices.cpu())
+    assert torch.equal(scores.cpu(), want_scores.cpu())
