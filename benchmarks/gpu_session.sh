@@ -25,7 +25,7 @@ setup() {
     # A wheel built beforehand (pip wheel --no-deps -w .whl .) needs no build backend
     # on this machine; without one, fall back to an editable install.
     if compgen -G ".whl/lik-*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$PEERS_DIR" \
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$PEERS_DIR" \
             .whl/lik-*.whl || echo "!! lik wheel did not install"
     else
         python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . ||
@@ -34,7 +34,7 @@ setup() {
     echo "== install peers into $PEERS_DIR"
     if compgen -G ".peers/*.whl" >/dev/null; then
         ls -1 .peers/*.whl
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$PEERS_DIR" \
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$PEERS_DIR" \
             .peers/*.whl || echo "!! peer wheels did not install"
     else
         echo "!! no wheels in .peers/: peers will be recorded as missing"

@@ -252,8 +252,9 @@ def backward_ragged(
     return grads
 
 
-# Programs the top-k epilogue aims for (a few waves on a 132-SM GPU); each walks a block
-# of docs, a power of two between these bounds.
+# Programs the top-k epilogue aims for; each walks a block of docs, a power of two
+# between these bounds. Measured on an H200 (16 queries x 100k docs): 1024 programs
+# 5.65 ms, 4096 programs 5.82 ms.
 TOPK_TARGET_PROGRAMS = 1024
 TOPK_DOCS_PER_PROGRAM = (16, 1024)
 

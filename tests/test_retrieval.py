@@ -215,10 +215,12 @@ def test_merge_top_k_in_small_key_blocks(monkeypatch, largest):
     retrieval_module.dispatch.backend(torch.device(DEVICE)) == "reference",
     reason="the top-k epilogue runs on the kernel path",
 )
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("top_k", [1, 3, 6])
-def test_in_kernel_top_k_matches_full_scores_across_doc_blocks(monkeypatch, top_k):
+def test_in_kernel_top_k_matches_full_scores_across_doc_blocks(monkeypatch, top_k, masked):
     """Unchunked retrieve keeps only each doc block's best inside the kernel; with 40
     docs in blocks of 16 and duplicates across blocks, ties still keep the lower index."""
+    monkeypatch.setattr(retrieval_module, "TOPK_EPILOGUE_MIN_SCORES", 1)
     calls = []
     real = retrieval_module.dispatch.topk_candidates
     monkeypatch.setattr(
@@ -229,7 +231,7 @@ def test_in_kernel_top_k_matches_full_scores_across_doc_blocks(monkeypatch, top_
     Q, D = integer_corpus(torch.Generator().manual_seed(3), Nq=3, Nd=40)
     D[[21, 35]] = D[3].clone()  # copies of doc 3 in the second and third blocks
     d_mask = torch.rand(40, 5, generator=torch.Generator().manual_seed(4)) < 0.8
-    d_mask = d_mask.to(DEVICE)
+    d_mask = d_mask.to(DEVICE) if masked else None  # unmasked: exact ties across blocks
     full = maxsim_reference(Q.double(), D.double(), None, d_mask).float()
     scores, indices = retrieve(Q, D, top_k, d_mask=d_mask, normalize=False)
     want_scores, want_indices = reference_top_k(full, top_k)
