@@ -36,11 +36,12 @@ _SIGN_CLEAR = 0x7FFFFFFF
 KEY_BLOCK_ELEMENTS = 1 << 19
 # Largest k the in-kernel top-k keeps per doc block (its slots live in registers).
 TOPK_MAX_K = 128
-# Score matrices from this many entries on go through the in-kernel top-k instead: below
+# Score matrices from this many entries on (8M: 16 x 1M docs is 16M) go through the
+# in-kernel top-k instead: below
 # it, scoring every pair and one topk is faster (H200, 16 x 100k docs: 5.2 ms against
 # 5.7), above it the [Nq, Nd] buffer is what the epilogue saves (16 x 1M: peak 41 MiB
 # instead of 81, at the same 52-53 ms).
-TOPK_EPILOGUE_MIN_SCORES = 1 << 24
+TOPK_EPILOGUE_MIN_SCORES = 1 << 23
 
 
 # ---------------------------------------------------------------------------------------
