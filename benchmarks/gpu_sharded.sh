@@ -14,6 +14,7 @@ WORK=$(mktemp -d)
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE_DIR" \
         .whl/lik-*.whl
     export PYTHONPATH="$SITE_DIR"
+    cd "$WORK"  # away from the checkout, whose lik/ folder would shadow the package
     gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
     echo "== $gpus GPUs: $(nvidia-smi -L | tr '\n' ' ')"
     python3 -P - "$WORK" <<'PY'
@@ -21,7 +22,7 @@ import sys, torch
 torch.manual_seed(0)
 q = torch.nn.functional.normalize(torch.randn(16, 32, 128), dim=-1).bfloat16()
 d = torch.nn.functional.normalize(torch.randn(50_003, 64, 128), dim=-1).bfloat16()
-d[[10, 40_000]] = d[7]  # exact ties that straddle shards
+d[[10, 40_000]] = d[7].clone()  # exact ties that straddle shards
 torch.save(q, f"{sys.argv[1]}/q.pt")
 torch.save(d, f"{sys.argv[1]}/d.pt")
 PY
