@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from lik.runtime import metal, registry
+from lik.runtime import metal, registry, validate
 from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
@@ -49,13 +49,6 @@ def describe_backend(device: torch.device | str) -> str:
         "interpreter": "generated Triton under the interpreter (cpu)",
         "reference": f"reference PyTorch ({device.type})",
     }[backend(device)]
-
-
-def _mask_arg(mask: torch.Tensor | None) -> torch.Tensor | None:
-    # Bool tensors reach Triton as 1-bit pointers; a zero-copy uint8 view loads as bytes.
-    if mask is not None and mask.dtype == torch.bool:
-        return mask.view(torch.uint8)
-    return mask
 
 
 def _chunks(lq: int):
@@ -146,9 +139,9 @@ def forward(
     module = registry.load(name)
     extra = {}
     if d_mask is not None:
-        extra["d_mask"] = _mask_arg(d_mask)
+        extra["d_mask"] = validate.byte_mask(d_mask)
     if q_mask is not None:
-        q_mask = _mask_arg(q_mask)
+        q_mask = validate.byte_mask(q_mask)
     for start, stop in _chunks(lq):
         config = _config(name, module, Q, stop - start, out.numel())
         whole = stop - start == lq  # the common case: no slicing on the hot path
@@ -277,8 +270,8 @@ def topk_candidates(Q, D, q_mask, d_mask, normalize: bool, k: int):
     doc_ids = torch.empty((Nq, blocks, config.top_k), dtype=torch.int64, device=Q.device)
     masks = {}
     if q_mask is not None:
-        masks["q_mask"] = _mask_arg(q_mask)
+        masks["q_mask"] = validate.byte_mask(q_mask)
     if d_mask is not None:
-        masks["d_mask"] = _mask_arg(d_mask)
+        masks["d_mask"] = validate.byte_mask(d_mask)
     _launch(module.launch, config, scores, Q, D, cand_docs=doc_ids, **masks)
     return scores, doc_ids

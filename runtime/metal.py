@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import hashlib
 import importlib.resources
 import json
 import operator
@@ -33,7 +32,7 @@ import warnings
 
 import torch
 
-from lik.runtime import registry
+from lik.runtime import registry, validate
 from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 
@@ -47,7 +46,6 @@ MAX_DOC_TOKENS = 2**15 - 1  # argmax is int16 (lik.runtime.autograd saves it so)
 TINY_WORK = 4096
 BACKWARD = "lowmem"  # the one Metal backward strategy
 
-_HASH_LINE = re.compile(r"^// body-sha256: ([0-9a-f]{64})\n\n", re.MULTILINE)
 _LAUNCH_BLOCK = re.compile(r"/\* launch:\n(.*?)\n\*/", re.DOTALL)
 
 
@@ -124,7 +122,12 @@ def forward(layout, Q, D, q_mask, d_mask, normalize, out, *, backward="none", ar
         raise ValueError(f"the Metal kernels save an int16 argmax, got {argmax.dtype}")
     strategy = "none" if backward == "none" else BACKWARD
     name = _name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, strategy)
-    tensors = {"Q": Q, "D": D, "q_mask": _bytes(q_mask), "d_mask": _bytes(d_mask)}
+    tensors = {
+        "Q": Q,
+        "D": D,
+        "q_mask": validate.byte_mask(q_mask),
+        "d_mask": validate.byte_mask(d_mask),
+    }
     _launch(_compile(name), "forward", {**tensors, "out": out, "argmax": argmax})
     return out
 
@@ -176,13 +179,6 @@ def _name(layout, has_q_mask, has_d_mask, normalize, dtype, strategy) -> str:
     )
 
 
-def _bytes(mask: torch.Tensor | None) -> torch.Tensor | None:
-    # Bool masks reach the kernels as uchar: a zero-copy uint8 view.
-    if mask is not None and mask.dtype == torch.bool:
-        return mask.view(torch.uint8)
-    return mask
-
-
 def _reference(layout: str):
     return maxsim_pairs_reference if layout == "pairs" else maxsim_reference
 
@@ -232,13 +228,7 @@ def source(name: str) -> str:
         raise KeyError(f"no generated Metal variant named {name!r}: see specs/metal.toml")
     (path,) = entry["files"]
     text = (importlib.resources.files("lik.generated") / path).read_text()
-    match = _HASH_LINE.search(text)
-    body = text[match.end() :] if match else ""
-    if match is None or hashlib.sha256(body.encode()).hexdigest() != match.group(1):
-        raise registry.GeneratedFileError(
-            f"generated/{path} (variant {name}) does not match the hash in its header: it "
-            "was edited by hand. Generated files are never edited; run `make generate`."
-        )
+    registry.verify_text(name, path, text)
     return text
 
 

@@ -15,7 +15,8 @@ import re
 import threading
 from types import ModuleType
 
-_HASH_LINE = re.compile(r"^# body-sha256: ([0-9a-f]{64})\n\n", re.MULTILINE)
+# The header's hash line, in Python (#) or Metal (//) comments.
+_HASH_LINE = re.compile(r"^(?:#|//) body-sha256: ([0-9a-f]{64})\n\n", re.MULTILINE)
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 

@@ -71,3 +71,11 @@ def backward_choice(backward: object) -> None:
         raise ValueError(
             f"backward must be one of None, 'auto', 'unified', 'lowmem', got {backward!r}"
         )
+
+
+def byte_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A validated mask as kernels read it: bool becomes a zero-copy uint8 view (kernels
+    load bytes, not 1-bit pointers); integer masks pass through (nonzero = valid)."""
+    if mask is not None and mask.dtype == torch.bool:
+        return mask.view(torch.uint8)
+    return mask
