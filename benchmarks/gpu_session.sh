@@ -61,7 +61,7 @@ EOF
 }
 
 export PYTHONPATH="$PEERS_DIR${PYTHONPATH:+:$PYTHONPATH}"
-# One log for the whole session: the machine returns at most 8 files.
+# One log for the whole run, next to the result files.
 exec > >(tee "$OUT/session.log") 2>&1
 setup
 
