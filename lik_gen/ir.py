@@ -65,6 +65,15 @@ class Backward(enum.Enum):
     LOWMEM = "lowmem"
 
 
+class Score(enum.Enum):
+    """How a query token's similarities to one doc's tokens reduce to its token score."""
+
+    MAX = "max"  # the built-in reduction (argmax saved for the backward)
+    WEIGHTED = "weighted"  # max, times a per-query-token weight w[Nq, Lq]
+    SMOOTH = "smooth"  # tau * logsumexp(sim / tau) over doc tokens
+    TOPK_MEAN = "topk_mean"  # mean of the k best doc tokens (XTR-style), k constexpr
+
+
 class Target(enum.Enum):
     TRITON = "triton"
     METAL = "metal"
@@ -81,10 +90,16 @@ AXES: dict[str, type[enum.Enum]] = {
     "normalize": bool,  # type: ignore[dict-item]
     "decompression": Decompression,
     "backward": Backward,
+    "score": Score,
 }
 CORE_AXES = ("op", "layout", "mask", "dtype", "target")
-OPTIONAL_AXES = ("normalize", "decompression", "backward")
-DEFAULTS = {"normalize": False, "decompression": Decompression.NONE, "backward": Backward.NONE}
+OPTIONAL_AXES = ("normalize", "decompression", "backward", "score")
+DEFAULTS = {
+    "normalize": False,
+    "decompression": Decompression.NONE,
+    "backward": Backward.NONE,
+    "score": Score.MAX,
+}
 
 _TOKENS: dict[str, dict[object, str]] = {
     "op": {Op.MAXSIM: "maxsim", Op.TOPK: "topk"},
@@ -107,6 +122,12 @@ _TOKENS: dict[str, dict[object, str]] = {
         Decompression.CENTROID: "centroid",
     },
     "backward": {Backward.NONE: "", Backward.UNIFIED: "unified", Backward.LOWMEM: "lowmem"},
+    "score": {
+        Score.MAX: "",
+        Score.WEIGHTED: "weighted",
+        Score.SMOOTH: "smooth",
+        Score.TOPK_MEAN: "topkmean",
+    },
 }
 _FROM_TOKEN: dict[str, tuple[str, object]] = {
     token: (axis, value)
@@ -144,6 +165,7 @@ class Variant:
     normalize: bool = False
     decompression: Decompression = Decompression.NONE
     backward: Backward = Backward.NONE
+    score: Score = Score.MAX
 
     @property
     def name(self) -> str:
