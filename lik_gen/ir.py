@@ -19,6 +19,9 @@ class Op(enum.Enum):
     # MaxSim scores reduced in the kernel to each block of docs' best candidates per
     # query (retrieval without an [Nq, Nd] buffer).
     TOPK = "topk"
+    # Fused projection head: raw doc hidden states are projected (and normalized) inside
+    # the MaxSim kernel, so the projected documents never reach memory.
+    HEAD = "head"
 
 
 class Layout(enum.Enum):
@@ -102,7 +105,7 @@ DEFAULTS = {
 }
 
 _TOKENS: dict[str, dict[object, str]] = {
-    "op": {Op.MAXSIM: "maxsim", Op.TOPK: "topk"},
+    "op": {Op.MAXSIM: "maxsim", Op.TOPK: "topk", Op.HEAD: "head"},
     "layout": {
         Layout.DENSE: "dense",
         Layout.KD: "kd",

@@ -13,7 +13,16 @@ import functools
 import sympy
 from sympy.printing.pycode import PythonCodePrinter
 
-from lik_gen.ir import Backward, Decompression, DType, Layout, Op, Target, Variant
+from lik_gen import plan_fp8
+from lik_gen.ir import Backward, Decompression, DType, Layout, Op, Score, Target, Variant
+from lik_gen.plan_score import (
+    HOOKED_LAYOUTS,
+    RECOMPUTE_LAUNCH_TEMPLATE,
+    RECOMPUTE_SIZES,
+    RECOMPUTE_TEMPLATE,
+    ScorePlan,
+    score_plan,
+)
 
 # One lookup table per spelling: never format a type inline.
 TORCH_DTYPE = {
@@ -46,6 +55,9 @@ INPUT_PRECISION_INTERPRETER = "ieee"
 
 # The decompression hook: one partial per scheme, all with the same signature.
 DOC_TILE_HOOK = {Decompression.NONE: "triton/load_doc_tile/none.py.j2"}
+# PLAID residual schemes share one hook (triton/load_doc_tile/residual.py.j2), planned by
+# lik_gen.plan_plaid.
+_RESIDUAL = (Decompression.RESIDUAL2, Decompression.RESIDUAL4, Decompression.RESIDUAL8)
 
 MODULE_TEMPLATE = {Target.TRITON: "triton/maxsim.py.j2"}
 LAUNCH_TEMPLATE = {Target.TRITON: "glue/launch_triton.py.j2"}
@@ -121,6 +133,19 @@ class RenderContext:
     output_doc: str
     argmax_doc: str
     topk: bool
+    # The token-score hook (lik_gen.plan_score); score "max" has no hook.
+    score: ScorePlan | None = None
+    # fp8 storage: per-token dequantization scales scale the similarities and maxima.
+    scaled: bool = False
+    # The doc-tile hook's call: _load_doc_tile(*doc_tile_inputs, offs_t, offs_k, d_len,
+    # dim, *doc_tile_params). doc_bases names each doc tensor's first-token offset and its
+    # stride prefix. Residual variants (lik_gen.plan_plaid) read PLAID's compressed tokens,
+    # and dense ones a per-doc length (doc_lengths) instead of Ld.
+    doc_tile_inputs: tuple[str, ...] = ("D", "d_base")
+    doc_tile_params: tuple[str, ...] = ("stride_dt", "stride_dk")
+    doc_bases: tuple[tuple[str, str], ...] = (("d_base", "d"),)
+    doc_lengths: bool = False
+    nbits: int = 0
 
 
 class PlanError(ValueError):
@@ -244,6 +269,10 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
 
     fwd = q + d
     fwd_strides = q_strides + d_strides
+    if plan_fp8.is_scaled(variant):  # dequantization scales, read through their strides
+        for name, expr, prefix, axes in plan_fp8.SCALE_TENSORS:
+            fwd += [KernelArg(name, expr)]
+            fwd_strides += _strides(prefix, expr, axes)
     if variant.mask.has_q:
         fwd += [KernelArg("q_mask", "q_mask")]
     if variant.mask.has_d:
@@ -261,11 +290,27 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     else:
         fwd += ragged + [KernelArg("Out", "out")]
         fwd_strides += _strides("o", "out", pair_axes)
-    if variant.backward is not Backward.NONE:
+    # Hooked token scores: weights w[query, s] (weighted), a temperature (smooth), and
+    # what the backward needs instead of an argmax.
+    weighted, smooth = variant.score is Score.WEIGHTED, variant.score is Score.SMOOTH
+    weights = [KernelArg("W", "W")] if weighted else []
+    w_strides = _strides("w", "W", ("b", "s")) if weighted else []
+    tau = [KernelArg("tau", "tau")] if smooth else []
+    saved_axes = pair_axes + ("s",) + (("k",) if variant.score is Score.TOPK_MEAN else ())
+    saved, saved_strides = [KernelArg("Saved", "saved")], _strides("sv", "saved", saved_axes)
+    fwd = fwd[:2] + weights + fwd[2:] + tau
+    fwd_strides = fwd_strides + w_strides
+    if variant.backward is not Backward.NONE and variant.score is Score.MAX:
         fwd += argmax
         fwd_strides += argmax_strides
+    elif variant.backward is not Backward.NONE:
+        fwd += saved
+        fwd_strides += saved_strides
     # grad_Q reads the raw queries only for the normalization Jacobian; grad_D likewise
     # reads the raw doc tokens only then.
+    if variant.score is not Score.MAX:
+        return {"fwd": tuple(fwd + sizes("fwd") + fwd_strides),
+                **_recompute_args(variant, weights, tau, saved, saved_strides)}
     bwd_q_inputs = (q if normalize else []) + d + grad + argmax
     bwd_q_strides = (q_strides if normalize else []) + d_strides
     bwd_d_inputs = q + (d if normalize else []) + grad + argmax
@@ -278,6 +323,39 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
                        + argmax_strides + gq_strides),
         "bwd_d": tuple(bwd_d_inputs + gd + sizes("bwd_d") + bwd_d_strides + grad_strides
                        + argmax_strides + gd_strides),
+    }  # fmt: skip
+
+
+def _recompute_args(variant, weights, tau, saved, saved_strides):
+    """The recompute backward's kernels: both re-read Q, D, the masks and the weights."""
+    layout, mask = variant.layout, variant.mask
+    shape = _LAYOUT[layout]
+    masks = [KernelArg(m, m) for m, has in (("q_mask", mask.has_q), ("d_mask", mask.has_d)) if has]
+    input_strides = (
+        _strides("q", "Q", shape["q_axes"])
+        + _strides("d", "D", shape["doc_axes"])
+        + (_strides("qm", "q_mask", ("b", "s")) if mask.has_q else [])
+        + (_strides("dm", "d_mask", shape["doc_axes"][:-1]) if mask.has_d else [])
+        + (_strides("w", "W", ("b", "s")) if weights else [])
+    )
+    grad_strides = _strides("g", "grad_out", shape["pair_axes"])
+    inputs = [KernelArg("Q", "Q"), KernelArg("D", "D")] + masks + weights
+    per_pair = [KernelArg("Grad", "grad_out"), *saved]
+
+    def sizes(kernel: str) -> list[KernelArg]:
+        return [KernelArg(s, s) for s in RECOMPUTE_SIZES[kernel][layout] + ("dim",)]
+
+    gq = [KernelArg("GQ", "GQ")] + ([KernelArg("GW", "GW")] if weights else [])
+    gq_strides = _strides("gq", "GQ", ("b", "s", "k")) + (
+        _strides("gw", "GW", ("b", "s")) if weights else []
+    )
+    gd_strides = _strides("gd", "GD", shape["doc_axes"])
+    return {
+        "bwd": (),
+        "bwd_q": tuple(inputs + per_pair + gq + tau + sizes("bwd_q") + input_strides
+                       + grad_strides + saved_strides + gq_strides),
+        "bwd_d": tuple(inputs + per_pair + [KernelArg("GD", "GD")] + tau + sizes("bwd_d")
+                       + input_strides + grad_strides + saved_strides + gd_strides),
     }  # fmt: skip
 
 
@@ -368,6 +446,15 @@ def _purpose(variant: Variant) -> str:
 def plan(variant: Variant):
     """The render context of a variant: a RenderContext for Triton, or the Metal
     planner's context (lik_gen.plan_metal) for target = "metal"."""
+    if variant.op is Op.HEAD:  # fused projection head: its own planner and templates
+        from lik_gen.plan_head import plan_head
+
+        return plan_head(variant)
+    if variant.target is Target.TRITON and variant.decompression in _RESIDUAL:
+        # PLAID residual docs: the uncompressed plan with its doc source swapped.
+        from lik_gen.plan_plaid import plan_residual
+
+        return plan_residual(variant)
     if variant.target is Target.METAL:
         from lik_gen.plan_metal import plan_metal
 
@@ -379,11 +466,15 @@ def plan(variant: Variant):
             f"{variant.name}: decompression {variant.decompression.value!r} has no "
             "load_doc_tile hook yet"
         )
-    if variant.dtype is DType.FP8E4M3:
-        raise PlanError(f"{variant.name}: fp8 inputs have their own entry and template")
+    fp8_problem = plan_fp8.unsupported(variant)
+    if fp8_problem is not None:
+        raise PlanError(f"{variant.name}: {fp8_problem}")
     if variant.layout not in _LAYOUT:
         raise PlanError(f"{variant.name}: layout {variant.layout.value!r} has no template yet")
     shape = _LAYOUT[variant.layout]
+    hooked = variant.score is not Score.MAX
+    if hooked and variant.layout not in HOOKED_LAYOUTS:
+        raise PlanError(f"{variant.name}: the score hook has no {variant.layout.value} template")
     if variant.backward is Backward.LOWMEM and variant.layout not in _KERNEL_SIZES["bwd_q"]:
         layout = variant.layout.value
         raise PlanError(f"{variant.name}: the lowmem backward has no {layout} template")
@@ -395,6 +486,8 @@ def plan(variant: Variant):
     # Tensors the runtime hands to launch() and backward() by keyword, after Q and D.
     ragged = shape["ragged"]
     launcher_args = ["Q", "D", *ragged]
+    if plan_fp8.is_scaled(variant):
+        launcher_args += [expr for _, expr, _, _ in plan_fp8.SCALE_TENSORS]
     if variant.mask.has_q:
         launcher_args.append("q_mask")
     if variant.mask.has_d:
@@ -403,6 +496,18 @@ def plan(variant: Variant):
     if variant.op is Op.TOPK:
         keywords = ("cand_docs",)
     backward = variant.backward
+    score = score_plan(variant)
+    keywords += score.keywords
+    backward_args = ("Q", "D", *ragged)
+    backward_template = BACKWARD_TEMPLATE.get(backward, NO_TEMPLATE)
+    backward_launch_template = BACKWARD_LAUNCH_TEMPLATE.get(backward, NO_TEMPLATE)
+    bwd_sizes = {k: _KERNEL_SIZES[k] for k in ("bwd_q", "bwd_d")}
+    if score.weighted:
+        launcher_args.insert(2, "W")
+    if hooked:
+        backward_args = tuple(launcher_args)
+        backward_template, backward_launch_template = RECOMPUTE_TEMPLATE, RECOMPUTE_LAUNCH_TEMPLATE
+        bwd_sizes = RECOMPUTE_SIZES
     return RenderContext(
         name=variant.name,
         purpose=_purpose(variant),
@@ -412,7 +517,7 @@ def plan(variant: Variant):
         has_d_mask=variant.mask.has_d,
         normalize=variant.normalize,
         backward=backward.value,
-        save_argmax=backward is not Backward.NONE,
+        save_argmax=backward is not Backward.NONE and not hooked,
         elem_torch=TORCH_DTYPE[variant.dtype],
         dot_dtype_device=DOT_DTYPE_DEVICE[variant.dtype],
         dot_dtype_interpreter=DOT_DTYPE_INTERPRETER,
@@ -421,7 +526,7 @@ def plan(variant: Variant):
         size_exprs=tuple(KernelArg(name, expr) for name, expr in shape["sizes"]),
         launcher_args=tuple(launcher_args),
         launcher_keywords=keywords,
-        backward_args=("Q", "D", *ragged),
+        backward_args=backward_args,
         fwd_args=args["fwd"],
         bwd_args=args["bwd"] if backward is Backward.UNIFIED else (),
         bwd_q_args=args["bwd_q"] if backward is Backward.LOWMEM else (),
@@ -430,8 +535,8 @@ def plan(variant: Variant):
         if variant.op is Op.TOPK
         else _KERNEL_SIZES["fwd"][variant.layout],
         bwd_dynamic=_KERNEL_SIZES["bwd"][variant.layout],
-        bwd_q_dynamic=_KERNEL_SIZES["bwd_q"].get(variant.layout, ()),
-        bwd_d_dynamic=_KERNEL_SIZES["bwd_d"].get(variant.layout, ()),
+        bwd_q_dynamic=bwd_sizes["bwd_q"].get(variant.layout, ()),
+        bwd_d_dynamic=bwd_sizes["bwd_d"].get(variant.layout, ()),
         grid_params=_grid_call_params(formulas, "forward_grid", blocks),
         unified_grid_params=_grid_call_params(formulas, "unified_grid", blocks),
         unified_block_n="config.block_n" if shape["docs"] != 1 else "1",
@@ -441,8 +546,10 @@ def plan(variant: Variant):
         doc_tile_hook=DOC_TILE_HOOK[variant.decompression],
         module_template=MODULE_TEMPLATE[variant.target],
         launch_template=LAUNCH_TEMPLATE[variant.target],
-        backward_template=BACKWARD_TEMPLATE.get(backward, NO_TEMPLATE),
-        backward_launch_template=BACKWARD_LAUNCH_TEMPLATE.get(backward, NO_TEMPLATE),
+        backward_template=backward_template,
+        backward_launch_template=backward_launch_template,
         output_doc=shape["output"],
         argmax_doc=shape["argmax"],
+        score=score,
+        scaled=plan_fp8.is_scaled(variant),
     )

@@ -19,8 +19,16 @@ import re
 
 import sympy
 
-from lik_gen.ir import Backward, Decompression, DType, Layout, Variant
+from lik_gen.ir import Backward, Decompression, DType, Layout, Score, Variant
 from lik_gen.plan import _LAYOUT, Ld, Lq, PlanError, _formula, _kernel_args
+from lik_gen.plan_metal_score import (
+    EXTRA_ARGS,
+    PARAM_DECL,
+    RECOMPUTE_TEMPLATE,
+    MetalScorePlan,
+    score_decl,
+    score_plan,
+)
 
 SIMD_WIDTH = 32  # lanes of an Apple GPU simdgroup
 # Four simdgroups (128 threads) per threadgroup, the split MLX's GEMM kernels use.
@@ -66,9 +74,12 @@ class MetalArg:
 
     name: str
     decl: str  # MSL type, without the name and the [[buffer(i)]] attribute
-    kind: str  # "tensor", "size" or "stride"
-    source: str  # the tensor (runtime name) or size it comes from
+    kind: str  # "tensor", "size", "stride", "param" or "strides"
+    source: str  # the tensor (runtime name), size or parameter it comes from
     axis: int = -1  # stride axis
+    # kind "strides": the stride arguments bound together as one constant array (a kernel
+    # with more arguments than Metal binds), unpacked into locals of the same names.
+    packed: tuple[MetalArg, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +89,8 @@ class MetalKernel:
     args: tuple[MetalArg, ...]
     simdgroups: str  # Python expression of the sizes: simdgroups to launch
     doc: str
+    # Strides bound as one array (see MetalArg.packed), declared as locals in the body.
+    packed_strides: tuple[MetalArg, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +120,8 @@ class MetalRenderContext:
     backward_template: str
     output_doc: str
     argmax_doc: str
+    # The token-score hook (lik_gen.plan_metal_score); score "max" has no hook.
+    score: MetalScorePlan
 
 
 def _decl(name: str, role: str, storage: str) -> str:
@@ -125,34 +140,53 @@ def _decl(name: str, role: str, storage: str) -> str:
     return outputs.get(name) or inputs[name]
 
 
-def _metal_args(args, role: str, layout: Layout, storage: str) -> tuple[MetalArg, ...]:
+def _metal_args(args, role: str, variant: Variant, storage: str) -> tuple[MetalArg, ...]:
     """The shared argument plan, typed for MSL and labelled for the runtime's binder."""
     out = []
     for arg in args:
         stride = _STRIDE.match(arg.expr)
         if stride:
             out.append(MetalArg(arg.name, SCALAR_DECL, "stride", stride[1], int(stride[2])))
-        elif arg.expr in _SIZES[layout]:
+        elif arg.expr in _SIZES[variant.layout]:
             out.append(MetalArg(arg.name, SCALAR_DECL, "size", arg.expr))
+        elif arg.expr in PARAM_DECL:
+            out.append(MetalArg(arg.name, PARAM_DECL[arg.expr], "param", arg.expr))
         elif arg.expr.isidentifier():
-            out.append(MetalArg(arg.name, _decl(arg.name, role, storage), "tensor", arg.expr))
+            decl = score_decl(variant, arg.name, role) or _decl(arg.name, role, storage)
+            out.append(MetalArg(arg.name, decl, "tensor", arg.expr))
         else:
             raise PlanError(f"argument {arg.name} = {arg.expr!r} has no Metal binding")
     return tuple(out)
 
 
+def _pack_strides(args: tuple[MetalArg, ...]) -> tuple[MetalArg, ...]:
+    """The arguments with every stride moved into one trailing constant array."""
+    strides = tuple(a for a in args if a.kind == "stride")
+    packed = MetalArg("strides", "constant long*", "strides", "", packed=strides)
+    return tuple(a for a in args if a.kind != "stride") + (packed,)
+
+
 def _kernel(variant: Variant, role: str, args, units: sympy.Expr, doc: str) -> MetalKernel:
     storage = STORAGE_TYPE[variant.dtype]
-    if len(args) > MAX_BUFFERS:
-        raise PlanError(f"{variant.name} {role}: {len(args)} arguments, Metal binds {MAX_BUFFERS}")
+    metal_args = _metal_args(tuple(args) + EXTRA_ARGS.get(variant.score, ()), role, variant,
+                             storage)  # fmt: skip
+    if len(metal_args) > MAX_BUFFERS:
+        # The recompute backward of a weighted, masked variant reads 35 arguments.
+        metal_args = _pack_strides(metal_args)
+    if len(metal_args) > MAX_BUFFERS:
+        raise PlanError(
+            f"{variant.name} {role}: {len(metal_args)} arguments with packed strides, "
+            f"Metal binds {MAX_BUFFERS}"
+        )
     params = tuple(sorted(str(s) for s in units.free_symbols))
     formula = _formula(f"{role}_simdgroups", units, params, doc)
     return MetalKernel(
         role=role,
         name=f"{variant.name}_{role}",
-        args=_metal_args(args, role, variant.layout, storage),
+        args=metal_args,
         simdgroups=formula.expr,
         doc=doc,
+        packed_strides=tuple(s for a in metal_args if a.kind == "strides" for s in a.packed),
     )
 
 
@@ -179,13 +213,16 @@ def _kernels(variant: Variant) -> dict[str, MetalKernel]:
 
 
 def _arg_entry(arg: MetalArg) -> list:
+    if arg.kind == "strides":
+        return [arg.name, arg.kind, [[a.source, a.axis] for a in arg.packed]]
     return [arg.name, arg.kind, arg.source] + ([arg.axis] if arg.kind == "stride" else [])
 
 
 def _launch_json(variant: Variant, kernels: dict[str, MetalKernel]) -> str:
     """The launch block the runtime reads (JSON, one argument per line): where each size
     comes from, and per kernel its name, simdgroup count and arguments in order, each as
-    [name, "tensor", tensor] | [name, "size", size] | [name, "stride", tensor, axis]."""
+    [name, "tensor", tensor] | [name, "size", size] | [name, "stride", tensor, axis] |
+    [name, "param", parameter] | [name, "strides", [[tensor, axis], ...]] (one array)."""
     sizes = {name: list(where) for name, where in _SIZES[variant.layout].items()}
     lines = [
         "{",
@@ -216,6 +253,9 @@ def _check(variant: Variant) -> None:
         raise PlanError(
             f"{variant.name}: Metal has one backward strategy, lowmem (destination-owned)"
         )
+    if variant.score is not Score.MAX and variant.layout not in (Layout.DENSE, Layout.PAIRS):
+        layout = variant.layout.value
+        raise PlanError(f"{variant.name}: the Metal score hook has no {layout} template")
 
 
 def plan_metal(variant: Variant) -> MetalRenderContext:
@@ -223,15 +263,20 @@ def plan_metal(variant: Variant) -> MetalRenderContext:
     kernels = _kernels(variant)
     backward = variant.backward
     shape = _LAYOUT[variant.layout]
+    score = score_plan(variant)
+    backward_template = BACKWARD_TEMPLATE.get(backward, NO_TEMPLATE)
+    strategy = backward.value
+    if score.hook and backward is not Backward.NONE:
+        backward_template, strategy = RECOMPUTE_TEMPLATE, "recompute"
     return MetalRenderContext(
         name=variant.name,
-        purpose="forward" if backward is Backward.NONE else f"training ({backward.value} backward)",
+        purpose="forward" if backward is Backward.NONE else f"training ({strategy} backward)",
         layout=variant.layout.value,
         has_q_mask=variant.mask.has_q,
         has_d_mask=variant.mask.has_d,
         normalize=variant.normalize,
         backward=backward.value,
-        save_argmax=backward is not Backward.NONE,
+        save_argmax=backward is not Backward.NONE and not score.hook,
         storage_type=STORAGE_TYPE[variant.dtype],
         index_type=INDEX_TYPE,
         simd_width=SIMD_WIDTH,
@@ -246,7 +291,8 @@ def plan_metal(variant: Variant) -> MetalRenderContext:
         element_hook=ELEMENT_HOOK[variant.dtype],
         row_helpers=ROW_HELPERS if backward is not Backward.NONE else NO_TEMPLATE,
         module_template=MODULE_TEMPLATE,
-        backward_template=BACKWARD_TEMPLATE.get(backward, NO_TEMPLATE),
+        backward_template=backward_template,
         output_doc=shape["output"],
         argmax_doc=f"{shape['argmax']} {INDEX_DOC}",
+        score=score,
     )

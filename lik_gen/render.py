@@ -71,9 +71,13 @@ def _parsed(env: jinja2.Environment, name: str) -> jinja2.nodes.Template:
 def _include_target(node: jinja2.nodes.Expr, ctx: RenderContext) -> str:
     if isinstance(node, jinja2.nodes.Const):
         return node.value
-    if isinstance(node, jinja2.nodes.Getattr) and isinstance(node.node, jinja2.nodes.Name):
-        return getattr(ctx, node.attr)
-    raise ValueError(f"include target {node!r} is neither a string nor ctx.<attr>")
+    if isinstance(node, jinja2.nodes.Getattr):  # ctx.<attr>, or a nested ctx.<a>.<b>
+        owner = ctx if isinstance(node.node, jinja2.nodes.Name) else None
+        if isinstance(node.node, jinja2.nodes.Getattr):
+            owner = getattr(ctx, node.node.attr)
+        if owner is not None:
+            return getattr(owner, node.attr)
+    raise ValueError(f"include target {node!r} is neither a string nor ctx.<attr>[.<attr>]")
 
 
 def header(comment: str, variant_name: str, spec: dict, templates: list[str], body: str) -> str:

@@ -37,6 +37,7 @@ from lik_gen.ir import (
     DType,
     Layout,
     Op,
+    Score,
     Variant,
     allowed_values,
     coerce,
@@ -111,6 +112,20 @@ CONTRADICTIONS: tuple[tuple[Callable[[Variant], bool], str], ...] = (
     (
         lambda v: v.decompression is not Decompression.NONE and not v.normalize,
         "decompressed residuals are L2-normalized after decoding, as PLAID does",
+    ),
+    (
+        lambda v: v.score is not Score.MAX
+        and (v.op is not Op.MAXSIM or v.layout not in (Layout.DENSE, Layout.PAIRS)),
+        "the score hook is planned for MaxSim over padded dense and pairs layouts",
+    ),
+    (
+        lambda v: v.score is not Score.MAX and v.backward is Backward.UNIFIED,
+        "hooked scores train with the recompute backward (backward = lowmem)",
+    ),
+    (
+        lambda v: v.score is not Score.MAX
+        and (v.decompression is not Decompression.NONE or v.dtype is DType.FP8E4M3),
+        "the score hook reads uncompressed fp32/fp16/bf16 documents",
     ),
 )
 

@@ -157,14 +157,19 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
 
 def test_every_kernel_argument_is_used():
     """No placeholder arguments: each parameter of every generated @triton.jit function
-    appears in its body."""
+    appears in its body. The score hooks are the exception: their signature is fixed by
+    contract (templates/triton/score/README.md), so a hook may ignore tau or TOKEN_K."""
     import ast
+
+    fixed_signature = {"_score_init", "_score_update", "_score_finish", "_score_grad"}
 
     for path in sorted((ROOT / "generated" / "triton").glob("maxsim_*.py")):
         for node in ast.parse(path.read_text()).body:
             if not isinstance(node, ast.FunctionDef) or "jit" not in ast.unparse(
                 node.decorator_list[0] if node.decorator_list else ast.Constant("")
             ):
+                continue
+            if node.name in fixed_signature:
                 continue
             names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             unused = [a.arg for a in node.args.args if a.arg not in names]

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3467fd3e49cb0e7498ed75ac50246ad7a14dd2194ca2ca0b2d7ca2d10db133e7
+# body-sha256: ffaaaab271d77a0277c4c7658650ec21d95f1fab00b9f84114f8bad66a3f1f2f
 
 """MaxSim forward for maxsim_dense_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

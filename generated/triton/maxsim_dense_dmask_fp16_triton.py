@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2882c6c2a81f3123cc878263b7b01cdbc05ca02a3b88f15de64edc3572eb16ba
+# body-sha256: 5fbb126f8c5c4da8fc7272011bb5e4f3ed1c1c622eebec22471a90e590b8cc34
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

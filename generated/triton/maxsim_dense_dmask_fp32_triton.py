@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7b81f685675e2dd07e98a68d7f4b2d648ee8d58a4a2052222202467a6f7872ad
+# body-sha256: 0041a6b1fc8f04abc06cfdc787b040d37ee5c71b2aca0d0848a6e3ca48097cf0
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 85640ed1cbdde009a2ca030ea59c30fd4bea8c4ead58ae20f0c9c655b523135c
+# body-sha256: cba87d5b2d3afa6cdfb64a5e3c1f9ad597a2d3cdb9c7b78bb0be49c6366de311
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

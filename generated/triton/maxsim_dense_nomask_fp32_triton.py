@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f69a3696d955e415b656b8b3eddd32a8c2a7ca77c70807a2383655d4bf9eab5a
+# body-sha256: c95f05df4678eeba5e8c9b57b3729764d8b40c10049b4cfae644a986e181fd79
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

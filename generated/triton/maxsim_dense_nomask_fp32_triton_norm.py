@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f6456598b21c6fcbbe33da13e7f87477bb8f12a4be54330e8fb6bf2c4ba703fb
+# body-sha256: 937c6587869c8587c1aa0b8adb4d256bff8523282e88d0cea5ce92e501a5a64b
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 22f89a70e69f3c8fe27a48b71a0b6b6067eebf8382a4b4ecfa1f9b72bea80ff5
+# body-sha256: 659dd8a6a5c111f95b1905389aaa183155f2f9933a97f5738f0bf269ae6a42bc
 
 """MaxSim forward for maxsim_dense_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

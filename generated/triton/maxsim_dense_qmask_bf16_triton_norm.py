@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a63b4d2da2394028f2ea8c83f23224e363ed5784aeb0f4dfc936101a8747e422
+# body-sha256: 4f1e9babce6b3b5f6f66d3e20d4be763aa739a13afcfc57ab523e4fa6794327b
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cb1d8c96f7750cd1f4929eec132edd5814b0e536acf4f44977b64c868def9180
+# body-sha256: 508aa01ecaefe74675f28f82a54aa00fd14be170a672bd56193a93444c39a7bf
 
 """MaxSim forward for maxsim_dense_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

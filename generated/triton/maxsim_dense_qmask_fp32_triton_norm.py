@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fb96c56652676557a7c25afe01227b7742fe913002c297c254895a9ddd44c52f
+# body-sha256: 95ef3199dacb225a79993ccb5a1c7167559869038974e0d716534653e5380738
 
 """MaxSim forward for maxsim_dense_qmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 81046e5b48ad57cabca0013487c58110fad672f9f920db6b0369573cd1222e35
+# body-sha256: 703aeb7f278b4c09aa5d0a90f8b86b13e7f6f16a6350c9dad2f948eaaea5dbe6
 
 """MaxSim forward for maxsim_kd_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 86b4c74fab449f6d9f5c7dcb4aa37b139f69292543bee77e141dc2e8d6a832bd
+# body-sha256: c2474720807f887913a1636f2ca74ac0f248b63098faca2cb7fd1ab84cffb443
 
 """MaxSim forward for maxsim_kd_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 792c9af62843139706ae466c1f08a731ee67bc686614a9d4b006a974ccc90315
+# body-sha256: 7c5891b9408527b0ed1ae952c01fa338f822c5c2a5e5dcdea456cf8f7d4d2de5
 
 """MaxSim forward for maxsim_kd_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 41dba0c18be63466bd52745be19bc196f1c94451cc2701e6f9051050caf4ad4f
+# body-sha256: 8b329aeeac814a32ca560e8b2456825c097528e1f346dec76f2fcbec19d64a9e
 
 """MaxSim forward for maxsim_kd_qdmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

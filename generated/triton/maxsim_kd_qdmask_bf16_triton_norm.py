@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f5a1394bae11126b56d8c878616c0e6c2335c29a81988c11aa4d8562fdb6c012
+# body-sha256: 99d280e629a42a4705a5ddf9a8ec1f060a18e6706ce80d9698d1385c4baaa6eb
 
 """MaxSim forward for maxsim_kd_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

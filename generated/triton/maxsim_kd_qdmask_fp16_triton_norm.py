@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5f9d1a3b1251232008fc1084a673e9d6cbb3004ec760a1301818d0e7c81bf1c6
+# body-sha256: 8e8068106f902a64718dd780d6ff8e31b073a20ae1c8177d78fa1a4abae9235b
 
 """MaxSim forward for maxsim_kd_qdmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

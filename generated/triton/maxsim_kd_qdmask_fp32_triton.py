@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7772a6937bdeaa20c849bb51dd91ef75f50a1b29ed3f16dd3632dd51b05b9967
+# body-sha256: 2e7c371a33de56297eb3d23c75d5aec858aedfc1784217a28de808aeffbf94de
 
 """MaxSim forward for maxsim_kd_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

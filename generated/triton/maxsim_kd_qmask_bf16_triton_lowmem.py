@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e574d7089e1ca821ae902debefe9c26ff7113a524cde668348336c07fa323b66
+# body-sha256: c4d0ed743974a2801f8ac678101f5d5dd57f5d5899cb432dd5d52d1febf83e88
 
 """MaxSim training (lowmem backward) for maxsim_kd_qmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
+SCORE = "max"
 
 
 @triton.jit
@@ -80,7 +81,7 @@ def maxsim_kd_qmask_bf16_triton_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # The max reductions drop NaN; a running sum of the valid similarities keeps it
     # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)

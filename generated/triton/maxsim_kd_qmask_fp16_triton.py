@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 51527a0f8df423cfcce11aed186a3fcf0cc9412c3f96847216cc41acc00df28c
+# body-sha256: 03c0e161a92692d7507b2c6fa3cd40c67b9979fc7da95dc7817f5cc1b04cc077
 
 """MaxSim forward for maxsim_kd_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

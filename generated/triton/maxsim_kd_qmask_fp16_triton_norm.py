@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b9033769e1e2b0feded71b6e102e3ff9ae3ce876a2105b7d1744ad2c79f81498
+# body-sha256: 8473999cd2faf35a12c8f0b5db0980d3e51a5c4f2b0affc1ba397a20558170ff
 
 """MaxSim forward for maxsim_kd_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c2e70e11302456121261d021ac69d8fbf011452715c5a3e0a58f3d43f541f611
+# body-sha256: 5ad2becc053a63e5129c1b17f131ef5d340d56899497bcbaac286dea40ded1e8
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
+SCORE = "max"
 
 
 @triton.jit
@@ -99,7 +100,7 @@ def maxsim_kd_qmask_fp16_triton_norm_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # The max reductions drop NaN; a running sum of the valid similarities keeps it
     # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4dfb4440ff25c3c389b90db6100562cc956a652b30708a6f3b005357d9b3a2c7
+# body-sha256: 42e3ef34c668496c0ea27058046cb8cf3e019ac4fd0fc1abe935d057a4fd920e
 
 """MaxSim forward for maxsim_kd_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2e02ca8556105a2f3c90b87ce3af629fb508953238f722c526c4239d681c5c58
+# body-sha256: f7cea1b191a4657dac2c92731830dd666448631624777480993a853e0bba204a
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 667af664d1ae113aec7c049e490d1ac798b49aa29b9124c8d73cee9ac972646e
+# body-sha256: 833a3c04b884bc59df8a788eec9a23a43d9dfb0636a074fc3d8db02b27043ea0
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

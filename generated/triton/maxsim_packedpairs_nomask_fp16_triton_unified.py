@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c8fc5b42bc051eefaf6553f528ffe7bf53bebb915e8c138893bbfd66b2838486
+# body-sha256: a6f1b91e4d1ef99fd96245b09514291e745d383e31f3415412c38b47d3980992
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
+SCORE = "max"
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # The max reductions drop NaN; a running sum of the valid similarities keeps it
     # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)

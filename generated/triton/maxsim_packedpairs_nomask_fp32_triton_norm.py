@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c58421a6f10936564f43e0d192d0dc90e418436c2dd6127a8cb2cd239af77d41
+# body-sha256: a63400cbf569420b8dc395747b16299f516b76f611d7a71c91e9554f8d47a7bb
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b287d42c66a16dab461a3b04193894f272835bc7a03ea72d99acf4c0896ff234
+# body-sha256: 80fdc436f7a69de41ab5ba71581b9f7320ee1136a267e50481fc0c086f266206
 
 """MaxSim forward for maxsim_pairs_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

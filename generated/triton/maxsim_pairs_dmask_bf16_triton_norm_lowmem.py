@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d05f653bd8aabb0f3e1e5b3d3db9b325df48dbf099e37cec0957ae9174c97dcd
+# body-sha256: 0b6c79442e0c5d388da279fb8171af53711045b539b25d330f4d1e81177f1382
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
+SCORE = "max"
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def maxsim_pairs_dmask_bf16_triton_norm_lowmem_fwd_kernel(
     d_mask_base = query * stride_dmb
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # The max reductions drop NaN; a running sum of the valid similarities keeps it
     # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)

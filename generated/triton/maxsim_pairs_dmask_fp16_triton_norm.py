@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1da07e8a9e7945d4aee6f9d46e34713be55003b6309296d149873725eb86da9a
+# body-sha256: 6a4222a5db7b10b1f7f209ea5037df3f5245783e6fa9da7cc6c71c0a74cae825
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

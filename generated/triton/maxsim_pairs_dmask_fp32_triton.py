@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3d6a62f7b7bc3f03c63bb81ad10868b5ab469a18e20292b243995aac19bfa005
+# body-sha256: 92ef637d2f3c197a56d725b89a560921683cb64205aa42d00bf13aec95601a54
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

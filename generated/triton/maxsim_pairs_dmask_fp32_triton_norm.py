@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d12830354ff7d9ebfebad9500f09ba5819be659c165b9c0f232335851e806702
+# body-sha256: 94170b028b936fdb8dfbfd4a55e3ada763c8fc97311c67cace498a9350692dc5
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9225f6e88ed322ff34e4930b33c9811d4daaa77b0b1986eab5ac5185b913b1fa
+# body-sha256: 564162dc31ad456290cd2d6c9470b8a3788f4c02dc99aa02489c7ec387e8f346
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

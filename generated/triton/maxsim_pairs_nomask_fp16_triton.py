@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f9d9832b45d363697ab046f2874fdbd0f63c099aa478590a5be5ad036ad633f5
+# body-sha256: ac502fa8108030be26197049647e792a11183152a316efde3b89eeaf34e22c6e
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

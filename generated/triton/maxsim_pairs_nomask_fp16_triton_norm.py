@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e469dd0e33d9ffc2e9916d3be6930ecdd0f26bea39a06c42136331eafcc62704
+# body-sha256: 64c6423266875c5cb770806dadd834daf6d1a0f64b016ea69fc8206270eef680
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 87498965eb9f4b537d2b912e0feb035903685af0ab40e5a5bc9d8fcd8e386fde
+# body-sha256: 4aa6149832145e0b94cce563cf43c73763e0c608a58c50c56e42908f58b832e5
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6902871f02e62b375c6c2d436cc0bd179b04f41f6d8e00f0a4396ed81c8fcf7f
+# body-sha256: 03dae0b41b8e892b27091d0dbd31efd43033a01cf7c602342b6efe4c393ddf9d
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
+SCORE = "max"
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def maxsim_pairs_nomask_fp32_triton_norm_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # The max reductions drop NaN; a running sum of the valid similarities keeps it
     # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)

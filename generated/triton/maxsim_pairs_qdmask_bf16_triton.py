@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3f6047b30f70ba586f810d8fe812dd275be1e68ecbfc33d4adfe6494b7f83842
+# body-sha256: 70c6541ccb89a7e3335e280a6ab2773bab3f6f3bc8bc886051fa09b82d62b592
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7dfd4a107999d2c36b64eadb66e73bd9d8aa94d9d72f3f9378ecbee87794bbe3
+# body-sha256: a1c1357dc2d47aa0ea27fc9cd0f7906434325a97d55224598d7b50e108fed58e
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1a52de6455f09f818aa7d7d2d3950961ca366c6d8961a85e52ba5d8edd060e99
+# body-sha256: 16cd23a8cc3a4dcd95b800f7fc9372dc7fe76e0235a0d8c80c664a30964f8e53
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

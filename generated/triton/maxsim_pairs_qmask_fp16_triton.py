@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1af2c6333e69174582efb89322710996c811b12315cdf1fea02d6db45eb7f478
+# body-sha256: 597c03e1a339dc9ca0a481dbe79d2c7b24a3c26094f1f205cb97ffb7964ab105
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

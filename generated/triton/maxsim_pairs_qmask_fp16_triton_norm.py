@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6de0b0d88441ef672931c37d2d066498e66f8088de7ecad162b2a2b96a48805d
+# body-sha256: ae1b64c3ccf6eba61e84dea87d312d8e3f83f54604dae2a116b1c64a9c11ef8f
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

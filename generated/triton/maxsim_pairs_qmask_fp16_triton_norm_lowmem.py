@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: be14e729e5e72af2bd14b8d175aba602769115ea01c8537ef2cd93cd0f3127d9
+# body-sha256: 87d5384c16a09d2c439c08a70dee05d5f4dcaacad232ae94c445f1c424cdbcf8
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
+SCORE = "max"
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def maxsim_pairs_qmask_fp16_triton_norm_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    # The argmax reduction drops NaN; a running sum of the valid similarities keeps it
+    # The max reductions drop NaN; a running sum of the valid similarities keeps it
     # (and turns an inf input into NaN), so a non-finite input never scores finite.
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 96200319ea998298db0eb2213223d72c583ed34752f1e82ac02f0fdfdcc31f52
+# body-sha256: 25b48a1228ee90f91ff2e6442b6948918a1ca1c1b6143f6ee117694506cde731
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

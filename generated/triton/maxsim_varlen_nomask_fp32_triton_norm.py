@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fa5f20b83a484d6cab1af5be5e773bb579b0cc38669792a8b82911f7ceda52aa
+# body-sha256: 2d21340e1c14ceee2cfbf17e04cd3cd18819e5c31f5d0db7f548fb041ae44e18
 
 """MaxSim forward for maxsim_varlen_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

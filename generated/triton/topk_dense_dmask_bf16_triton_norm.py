@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1e7fe0faf7eb8a0b10a4949a6d29d502bf0fb7ffe9d9270cf4f19b3205180732
+# body-sha256: 01d658a7d398cfbb678da39320bbd5b7d2b4bbac4167773d93cb57262ea3557f
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: be768ccc7daddb768c6fbc0edf59d4d4bfc389c27c6b9aef0ffe32dab233903d
+# body-sha256: d128b4af46974ee59ad5294d63c77df390cedadd956ccdc1ed95fdb5ed1967ed
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = False
 HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 116c8cfa9a8c3051e363fb0b46075d311cfb32c6ce1fcf0bba10dabbc97c9b2b
+# body-sha256: 58fb1fd68dd3b5f206035e23cc0253041dd01552b2a6e375c8a63d22f82e5253
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 147def8134e43d7c4fa21bdafa0b6f0deec503c6a650c7bc9f177e0195184757
+# body-sha256: e098800380a027ff2e3b2c91fed234f3f90444712b3ea8464315f3d2edb9524a
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -16,6 +16,7 @@ HAS_Q_MASK = True
 HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
+SCORE = "max"
 
 
 @triton.jit
