@@ -2,8 +2,10 @@
 
 Public entries (API.md): maxsim, maxsim_pairs (padded batches); maxsim_varlen,
 score_pairs_packed, pack_padded, maxsim_padded (ragged batches); retrieve,
-retrieve_sharded, MaxSimScorer (search). describe_backend says which path a device
-takes; lik.runtime.reference holds the plain-PyTorch ground truth.
+retrieve_sharded, MaxSimScorer (search); maxsim_weighted, maxsim_smooth,
+maxsim_topk_mean (other token scores, lik.runtime.variants). Submodules: plaid
+(residual-compressed documents), fp8, head (fused projection head), metal, reference
+(the plain-PyTorch ground truth). describe_backend says which path a device takes.
 """
 
 from lik.runtime.api import maxsim, maxsim_pairs
@@ -17,6 +19,7 @@ from lik.runtime.ragged import (
 )
 from lik.runtime.retrieval import retrieve, retrieve_sharded
 from lik.runtime.scorer import MaxSimScorer
+from lik.runtime.variants import maxsim_smooth, maxsim_topk_mean, maxsim_weighted
 
 __all__ = [
     "MaxSimScorer",
@@ -25,7 +28,10 @@ __all__ = [
     "maxsim",
     "maxsim_padded",
     "maxsim_pairs",
+    "maxsim_smooth",
+    "maxsim_topk_mean",
     "maxsim_varlen",
+    "maxsim_weighted",
     "pack_padded",
     "retrieve",
     "retrieve_sharded",

@@ -18,6 +18,8 @@ MAX_HEAD_DIM = 512
 
 _DTYPE_TOKEN = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 SUPPORTED_DTYPES = tuple(_DTYPE_TOKEN)
+# fp8 has its own entry (lik.runtime.fp8), so it names variants but is not a maxsim dtype.
+_NAME_TOKEN = {**_DTYPE_TOKEN, torch.float8_e4m3fn: "fp8"}
 
 
 def next_power_of_two(n: int) -> int:
@@ -77,7 +79,7 @@ def variant_name(
         (True, True): "qdmask",
     }[(has_q_mask, has_d_mask)]
     layout_token = layout.replace("_", "")  # packed_pairs -> packedpairs
-    name = f"{op}_{layout_token}_{mask}_{_DTYPE_TOKEN[dtype]}_{target}"
+    name = f"{op}_{layout_token}_{mask}_{_NAME_TOKEN[dtype]}_{target}"
     if normalize:
         name += "_norm"
     if backward != "none":

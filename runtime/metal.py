@@ -14,6 +14,11 @@ LIK_FORCE_MPS_BACKEND=metal|compile|reference pins the path (metal outside its e
 raises). Metal has one backward strategy, the destination-owned "lowmem" one: a
 `backward="unified"` request runs it too.
 
+The hooked token scores of lik.runtime.variants (weighted, smooth, topk_mean) run their
+own generated variants (maxsim_scored below) under the same envelope and fallbacks; they
+train with the recompute backward, which the forward feeds a saved statistic per query
+token instead of an argmax.
+
 Nothing here has been timed on a Mac: no speed is claimed, and TINY_WORK is a guess.
 """
 
@@ -34,7 +39,11 @@ import torch
 
 from lik.runtime import registry, validate
 from lik.runtime.keys import variant_name
-from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+from lik.runtime.reference import (
+    maxsim_pairs_reference,
+    maxsim_reference,
+    maxsim_scored_reference,
+)
 
 FORCE_ENV = "LIK_FORCE_MPS_BACKEND"
 BACKENDS = ("metal", "compile", "reference")
@@ -45,6 +54,9 @@ MAX_DOC_TOKENS = 2**15 - 1  # argmax is int16 (lik.runtime.autograd saves it so)
 # let alone a first compile, cannot pay off there. Not measured: no Mac was at hand.
 TINY_WORK = 4096
 BACKWARD = "lowmem"  # the one Metal backward strategy
+
+# Name tokens of the hooked token scores (lik_gen.ir.Score).
+_SCORE_TOKEN = {"weighted": "weighted", "smooth": "smooth", "topk_mean": "topkmean"}
 
 _LAUNCH_BLOCK = re.compile(r"/\* launch:\n(.*?)\n\*/", re.DOTALL)
 
@@ -145,6 +157,142 @@ def backward(layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, 
     return GQ, GD
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoredCall:
+    """A hooked token score call (lik.runtime.variants): which score and its parameters."""
+
+    score: str  # weighted | smooth | topk_mean
+    layout: str  # dense | pairs
+    normalize: bool
+    tau: float = 1.0  # smooth
+    k: int = 1  # topk_mean
+
+
+def maxsim_scored(call: ScoredCall, Q, D, weights, q_mask, d_mask) -> torch.Tensor:
+    """Scores of a validated lik.runtime.variants call on an MPS device (Q [Nq, Lq, d]),
+    by whichever path serves it: the generated Metal kernels (autograd through the
+    recompute backward), torch.compile of the reference, or the eager reference."""
+    backend = choose_backend(call.layout, Q, D)
+    inputs = (Q, D) if weights is None else (Q, D, weights)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    name = _scored_name(call, Q, q_mask is not None or d_mask is not None, training)
+    if backend == "metal" and not _available(name):
+        if _forced() == "metal":
+            raise MetalCompileError(f"Metal variant {name} did not compile: {_failures[name]}")
+        backend = "compile"
+    if backend == "metal":
+        if training:
+            return _Scored.apply(Q, D, weights, q_mask, d_mask, call)
+        return scored_forward(call, Q, D, weights, q_mask, d_mask, training=False)[0]
+    reference = _compiled_scored_reference() if backend == "compile" else maxsim_scored_reference
+    options = {"score": call.score, "weights": weights, "tau": call.tau, "k": call.k,
+               "normalize": call.normalize, "pairs": call.layout == "pairs"}  # fmt: skip
+    return reference(Q, D, q_mask, d_mask, **options).float()
+
+
+def scored_forward(call: ScoredCall, Q, D, weights, q_mask, d_mask, *, training: bool):
+    """(scores fp32, saved): with training, `saved` holds what the recompute backward
+    reads per query token (the winning doc token or the k kept ones, int16, -1: none; or
+    the logsumexp, fp32); else None."""
+    _check_envelope(Q, D)
+    shape = (Q.shape[0], D.shape[0]) if call.layout == "dense" else (Q.shape[0],)
+    out = torch.empty(shape, dtype=torch.float32, device=Q.device)
+    saved = _saved(call, shape, Q) if training else None
+    if _empty(Q, D):
+        if saved is not None:
+            saved.fill_(-1 if saved.dtype == torch.int16 else float("-inf"))
+        return out.zero_(), saved
+    name = _scored_name(call, Q, q_mask is not None or d_mask is not None, training)
+    tensors = {**_scored_inputs(Q, D, weights, q_mask, d_mask), "out": out, "saved": saved}
+    _launch(_compile(name), "forward", tensors, _scored_params(call))
+    return out, saved
+
+
+def scored_backward(call: ScoredCall, grad_out, saved, Q, D, weights, q_mask, d_mask):
+    """(grad_Q, grad_D, grad_W or None), each element written once by its owner simdgroup;
+    grad_Q and grad_D in the inputs' dtype, grad_W in the weights' dtype."""
+    _check_envelope(Q, D)
+    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    # The kernels write grad_W in fp32, like the weights they read.
+    GW = None if weights is None else torch.empty(weights.shape, dtype=torch.float32,
+                                                  device=Q.device)  # fmt: skip
+    if _empty(Q, D):
+        grads = (GQ.zero_(), GD.zero_(), None if GW is None else GW.zero_())
+    else:
+        name = _scored_name(call, Q, q_mask is not None or d_mask is not None, True)
+        compiled = _compile(name)
+        tensors = {**_scored_inputs(Q, D, weights, q_mask, d_mask), "saved": saved,
+                   "grad_out": grad_out.float(), "GQ": GQ, "GD": GD, "GW": GW}  # fmt: skip
+        _launch(compiled, "grad_q", tensors, _scored_params(call))
+        _launch(compiled, "grad_d", tensors, _scored_params(call))
+        grads = (GQ, GD, GW)
+    grad_w = None if weights is None else grads[2].to(weights.dtype)
+    return grads[0], grads[1], grad_w
+
+
+class _Scored(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, Q, D, weights, q_mask, d_mask, call):
+        out, saved = scored_forward(call, Q, D, weights, q_mask, d_mask, training=True)
+        ctx.save_for_backward(Q, D, weights, q_mask, d_mask, saved)
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        Q, D, weights, q_mask, d_mask, saved = ctx.saved_tensors
+        grads = scored_backward(ctx.call, grad_out, saved, Q, D, weights, q_mask, d_mask)
+        return (*grads, None, None, None)
+
+
+def _scored_name(call: ScoredCall, Q, masked: bool, training: bool) -> str:
+    """The Metal variants of the hooked scores have no mask or both masks (a call with one
+    mask runs the both-masks variant, the other all valid): half as many variants."""
+    strategy = BACKWARD if training else "none"
+    base = _name(call.layout, masked, masked, call.normalize, Q.dtype, strategy)
+    return f"{base}_{_SCORE_TOKEN[call.score]}"
+
+
+def _scored_inputs(Q, D, weights, q_mask, d_mask) -> dict[str, torch.Tensor]:
+    if (q_mask is None) != (d_mask is None):
+        q_rows, d_rows = Q.shape[:2], D.shape[:2]
+        if q_mask is None:
+            q_mask = torch.ones(q_rows, dtype=torch.bool, device=Q.device)
+        else:
+            d_mask = torch.ones(d_rows, dtype=torch.bool, device=D.device)
+    tensors = {"Q": Q, "D": D}
+    if q_mask is not None:
+        tensors["q_mask"] = validate.byte_mask(q_mask)
+        tensors["d_mask"] = validate.byte_mask(d_mask)
+    if weights is not None:
+        tensors["W"] = weights.float()  # the kernels read fp32 weights, whatever their dtype
+    return tensors
+
+
+def _scored_params(call: ScoredCall) -> dict[str, float | int]:
+    """The kernels' scalar parameters: tau binds as a 32-bit float, token_k as int64."""
+    return {"tau": float(call.tau), "token_k": int(call.k)}
+
+
+def _saved(call: ScoredCall, shape: tuple[int, ...], Q: torch.Tensor) -> torch.Tensor:
+    shape = shape + (Q.shape[1],)
+    if call.score == "smooth":
+        return torch.empty(shape, dtype=torch.float32, device=Q.device)
+    if call.score == "topk_mean":
+        shape += (call.k,)
+    return torch.empty(shape, dtype=torch.int16, device=Q.device)  # docs < 2**15 tokens
+
+
+def _empty(Q: torch.Tensor, D: torch.Tensor) -> bool:
+    return min(Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]) == 0
+
+
+@functools.cache
+def _compiled_scored_reference():
+    return torch.compile(maxsim_scored_reference, dynamic=True)
+
+
 def _forced() -> str | None:
     value = os.environ.get(FORCE_ENV) or None
     if value is not None and value not in BACKENDS:
@@ -232,13 +380,14 @@ def source(name: str) -> str:
     return text
 
 
-def _launch(compiled: _Compiled, role: str, tensors: dict[str, torch.Tensor]) -> None:
+def _launch(compiled: _Compiled, role: str, tensors: dict[str, torch.Tensor],
+            params: dict[str, float | int] | None = None) -> None:  # fmt: skip
     """Binds a kernel's arguments in the order of its launch block and dispatches one
     simdgroup per unit of work, in threadgroups of threads_per_group threads."""
     launch = compiled.launch
     spec = launch["kernels"][role]
     sizes = {name: tensors[t].shape[axis] for name, (t, axis) in launch["sizes"].items()}
-    args = [_argument(entry, tensors, sizes) for entry in spec["args"]]
+    args = [_argument(entry, tensors, sizes, params or {}) for entry in spec["args"]]
     threads = _evaluate(spec["simdgroups"], sizes) * launch["simd_width"]
     if threads == 0:
         return
@@ -246,12 +395,17 @@ def _launch(compiled: _Compiled, role: str, tensors: dict[str, torch.Tensor]) ->
     kernel(*args, threads=threads, group_size=min(threads, launch["threads_per_group"]))
 
 
-def _argument(entry: list, tensors: dict[str, torch.Tensor], sizes: dict[str, int]):
+def _argument(entry: list, tensors: dict[str, torch.Tensor], sizes: dict[str, int],
+              params: dict[str, float | int]):  # fmt: skip
     _, kind, source_name, *axis = entry
     if kind == "tensor":
         return tensors[source_name]
     if kind == "size":
         return sizes[source_name]
+    if kind == "param":
+        return params[source_name]
+    if kind == "strides":  # one constant array (a list of ints binds as int64 values)
+        return [tensors[name].stride(i) for name, i in source_name]
     return tensors[source_name].stride(axis[0])
 
 

@@ -100,6 +100,28 @@ def maxsim_pairs_reference(
     return torch.cat(parts) if parts else Q.new_zeros(0)
 
 
+def maxsim_from_hidden_reference(
+    Q: torch.Tensor,
+    H_d: torch.Tensor,
+    W: torch.Tensor,
+    b: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """The fused head as plain PyTorch: D = H_d W^T + b, L2-normalized per token when
+    normalize (the queries are used as given), then MaxSim against Q -> [Nq, Nd].
+
+    Q [Nq, Lq, d] or [Lq, d]; H_d [Nd, Ld, d_model]; W [d, d_model]; b [d] or None;
+    d_mask [Nd, Ld]. Materializes the projected documents (the fused kernel does not).
+    """
+    dtype = torch.promote_types(_compute_dtype(Q, H_d), W.dtype)
+    D = F.linear(H_d.to(dtype), W.to(dtype), None if b is None else b.to(dtype))
+    if normalize:
+        D = F.normalize(D, dim=-1)
+    return maxsim_reference(Q.to(dtype), D, None, d_mask)
+
+
 def _dense(Q, D, q_mask, d_mask, normalize):
     Q, D = _prepare(Q, D, normalize)
     Nq, Lq, Nd, Ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
@@ -160,3 +182,239 @@ def score_pairs_packed_reference(
     if layout == "varlen":
         return out.view(len(cu_q) - 1, len(cu_d) - 1)
     return out
+
+
+def _dequantize(X: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """X (fp8) times its scale: one per tensor (shape () or (1,)) or one per token
+    (X.shape[:-1]), in `dtype`."""
+    scale = scale.to(dtype)
+    if scale.dim() > 0:
+        scale = scale.unsqueeze(-1)
+    return X.to(dtype) * scale
+
+
+def maxsim_fp8_reference(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    *,
+    scale_Q: torch.Tensor,
+    scale_D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """lik.runtime.fp8.maxsim_inference_fp8 as plain PyTorch: dequantizes Q and D
+    (float8_e4m3fn) with their scales into `dtype`, then scores with maxsim_reference.
+
+    Q [Nq, Lq, d] or [Lq, d]; D [Nd, Ld, d] or [Ld, d]; scale_Q shape () / (1,) or
+    Q.shape[:-1]; scale_D likewise. Scores come back in `dtype`.
+    """
+    return maxsim_reference(
+        _dequantize(Q, scale_Q, dtype), _dequantize(D, scale_D, dtype), q_mask, d_mask
+    )
+
+
+def _token_score(sim, d_mask, score: str, tau: float, k: int) -> torch.Tensor:
+    """One score per query token from sim [..., Ld]: max (also for "weighted", whose
+    weights apply outside), tau * logsumexp(sim / tau) ("smooth"), or the mean of the k
+    largest ("topk_mean", over fewer when fewer doc tokens are valid). 0 where no doc
+    token is valid, with zero gradient."""
+    if sim.shape[-1] == 0:
+        return sim.new_zeros(sim.shape[:-1])
+    if d_mask is not None:
+        sim = sim.masked_fill(~d_mask, float("-inf"))
+    empty = torch.isneginf(sim).all(dim=-1)
+    # Rows with no valid token score 0 below; computing on zeros keeps their gradient
+    # finite (logsumexp of all -inf would backpropagate NaN through the where).
+    sim = torch.where(empty[..., None], torch.zeros_like(sim), sim)
+    if score in ("max", "weighted"):
+        token = sim.amax(dim=-1)
+    elif score == "smooth":
+        token = tau * torch.logsumexp(sim / tau, dim=-1)
+    elif score == "topk_mean":
+        top = sim.topk(min(k, sim.shape[-1]), dim=-1).values
+        kept = ~torch.isneginf(top)
+        total = torch.where(kept, top, torch.zeros_like(top)).sum(dim=-1)
+        token = total / kept.sum(dim=-1).clamp(min=1)
+    else:
+        raise ValueError(f"score must be 'weighted', 'smooth' or 'topk_mean', got {score!r}")
+    return torch.where(empty, torch.zeros_like(token), token)
+
+
+def maxsim_scored_reference(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    score: str,
+    weights: torch.Tensor | None = None,
+    tau: float = 0.1,
+    k: int = 1,
+    normalize: bool = False,
+    pairs: bool = False,
+) -> torch.Tensor:
+    """MaxSim with another token score (lik.runtime.variants), as plain PyTorch:
+    sum over query tokens s of weights[s] * token_score(sim[s, :]).
+
+    Q [Nq, Lq, d], D [Nd, Ld, d] -> [Nq, Nd]; pairs=True: Q [B, Lq, d], D [B, Ld, d] -> [B].
+    weights [Nq, Lq] (or [B, Lq]) for score="weighted". Masks as in maxsim_reference.
+    """
+    Q, D = _prepare(Q, D, normalize)
+    if weights is not None:
+        weights = weights.to(Q.dtype)
+    Nq, Lq, Nd, Ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
+    if pairs:
+        sim = torch.einsum("bsk,btk->bst", Q, D)
+        dm = None if d_mask is None else d_mask[:, None, :]
+        token = _token_score(sim, dm, score, tau, k)
+        if weights is not None:
+            token = token * weights
+        return _sum_query_tokens(token, q_mask)
+    docs = max(1, CHUNK_ELEMENTS // max(1, Nq * Lq * Ld))
+    parts = []
+    for start in range(0, Nd, docs):
+        stop = min(Nd, start + docs)
+        sim = torch.einsum("isk,jtk->ijst", Q, D[start:stop])
+        dm = None if d_mask is None else d_mask[None, start:stop, None, :]
+        token = _token_score(sim, dm, score, tau, k)
+        if weights is not None:
+            token = token * weights[:, None, :]
+        parts.append(_sum_query_tokens(token, None if q_mask is None else q_mask[:, None, :]))
+    return torch.cat(parts, dim=1) if parts else Q.new_zeros(Nq, 0)
+
+
+# PLAID residual compression (lik.runtime.plaid). A compressed doc token is a centroid id
+# (code) plus one nbits-bit bucket id per dim, packed into ceil(d * nbits / 8) bytes in the
+# bit order of ColBERTv2 and fast-plaid (numpy.packbits over the bucket bits, least
+# significant bucket bit first): bucket bit i of dim k is flat bit p = k * nbits + i,
+# stored in byte p // 8 at bit 7 - p % 8 (bit 0 = least significant). It decodes to
+# centroids[code] + bucket_weights[bucket] per dim, then L2-normalizes.
+
+
+def unpack_residual_buckets(residuals: torch.Tensor, nbits: int, dim: int) -> torch.Tensor:
+    """Bucket ids [..., dim] (int64) from packed residual bytes [..., ceil(dim*nbits/8)]."""
+    msb_first = torch.arange(7, -1, -1, device=residuals.device)
+    bits = (residuals.long().unsqueeze(-1) >> msb_first) & 1  # [..., bytes, 8]
+    bits = bits.flatten(-2)[..., : dim * nbits].unflatten(-1, (dim, nbits))
+    return (bits << torch.arange(nbits, device=residuals.device)).sum(-1)
+
+
+def decompress_residual_reference(
+    codes: torch.Tensor,
+    residuals: torch.Tensor,
+    centroids: torch.Tensor,
+    bucket_weights: torch.Tensor,
+    nbits: int,
+) -> torch.Tensor:
+    """Decoded doc tokens [..., d] (not normalized): centroids[code] + bucket_weights[bucket],
+    in the centroids' and weights' dtype promoted to at least fp32. A code outside
+    [0, n_centroids) decodes to a NaN token."""
+    dtype = torch.promote_types(torch.promote_types(centroids.dtype, bucket_weights.dtype),
+                                torch.float32)  # fmt: skip
+    codes = codes.long()
+    code_ok = (codes >= 0) & (codes < centroids.shape[0])
+    buckets = unpack_residual_buckets(residuals, nbits, centroids.shape[1])
+    decoded = centroids.to(dtype)[torch.where(code_ok, codes, 0)]
+    decoded = decoded + bucket_weights.to(dtype)[buckets]
+    return torch.where(code_ok.unsqueeze(-1), decoded, float("nan"))
+
+
+def _residual_doc_chunks(n_docs: int, per_doc: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, per_doc))
+    return [(start, min(n_docs, start + step)) for start in range(0, n_docs, step)]
+
+
+def maxsim_residual_reference(
+    Q: torch.Tensor,
+    codes: torch.Tensor,
+    residuals: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    centroids: torch.Tensor,
+    bucket_weights: torch.Tensor,
+    nbits: int,
+    *,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """MaxSim of Q [Nq, Lq, d] (or [Lq, d]) against B residual-compressed docs
+    (codes [B, Ld], residuals [B, Ld, bytes], doc_lengths [B]) -> [Nq, B] (or [B]).
+
+    Doc b's tokens t < doc_lengths[b] are valid; an empty doc scores 0, a length outside
+    [0, Ld] scores NaN. Autograd-aware in Q (and centroids, bucket_weights)."""
+    squeeze = Q.dim() == 2
+    if squeeze:
+        Q = Q.unsqueeze(0)
+    dtype = torch.promote_types(Q.dtype, centroids.dtype)
+    dtype = torch.promote_types(torch.promote_types(dtype, bucket_weights.dtype), torch.float32)
+    Q = Q.to(dtype)
+    if normalize:
+        Q = F.normalize(Q, dim=-1)
+    Nq, Lq, B, Ld = Q.shape[0], Q.shape[1], codes.shape[0], codes.shape[1]
+    lengths = doc_lengths.long()
+    bad_length = (lengths < 0) | (lengths > Ld)
+    parts = []
+    for start, stop in _residual_doc_chunks(B, Nq * Lq * Ld + Ld * Q.shape[-1]):
+        D = decompress_residual_reference(
+            codes[start:stop], residuals[start:stop], centroids.to(dtype),
+            bucket_weights.to(dtype), nbits,
+        )  # fmt: skip
+        if normalize:
+            D = F.normalize(D, dim=-1)
+        sim = torch.einsum("isk,jtk->ijst", Q, D)
+        valid = torch.arange(Ld, device=codes.device) < lengths[start:stop, None]
+        parts.append(_token_max(sim, valid[None, :, None, :]).sum(dim=-1))
+    out = torch.cat(parts, dim=1) if parts else Q.new_zeros(Nq, 0)
+    out = torch.where(bad_length[None, :], float("nan"), out)
+    return out[0] if squeeze else out
+
+
+def maxsim_residual_varlen_reference(
+    Q: torch.Tensor,
+    codes_flat: torch.Tensor,
+    residuals_flat: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    centroids: torch.Tensor,
+    bucket_weights: torch.Tensor,
+    nbits: int,
+    *,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """maxsim_residual_reference over packed index tokens: doc j is tokens
+    cu_seqlens_d[j] : cu_seqlens_d[j + 1] of codes_flat [T] and residuals_flat [T, bytes]."""
+    cu = cu_seqlens_d.long()
+    lengths = cu[1:] - cu[:-1]
+    longest = int(lengths.max()) if lengths.numel() else 0
+    # Repack as a padded batch; padding reads some token in range, masked by the lengths.
+    last = max(codes_flat.shape[0] - 1, 0)
+    index = (cu[:-1, None] + torch.arange(longest, device=cu.device)).clamp(0, last)
+    return maxsim_residual_reference(
+        Q, codes_flat[index], residuals_flat[index], lengths, centroids, bucket_weights, nbits,
+        normalize=normalize,
+    )  # fmt: skip
+
+
+def plaid_approx_score_reference(
+    query_centroid_scores: torch.Tensor, codes: torch.Tensor, doc_lengths: torch.Tensor
+) -> torch.Tensor:
+    """PLAID's centroid-only score: per doc b, sum over query tokens s of the max over its
+    valid tokens t < doc_lengths[b] of query_centroid_scores[codes[b, t], s] -> [B].
+    An empty doc scores 0; a length outside [0, Ld] or a valid token's code outside
+    [0, n_centroids) scores NaN."""
+    scores = query_centroid_scores
+    if not scores.dtype.is_floating_point:
+        raise TypeError(f"query_centroid_scores must be floating point, got {scores.dtype}")
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    n_c, Lq = scores.shape
+    B, Ld = codes.shape
+    lengths = doc_lengths.long()
+    codes = codes.long()
+    valid = torch.arange(Ld, device=codes.device) < lengths[:, None]
+    code_ok = (codes >= 0) & (codes < n_c)
+    bad = (lengths < 0) | (lengths > Ld) | (valid & ~code_ok).any(dim=1)
+    parts = []
+    for start, stop in _residual_doc_chunks(B, Ld * Lq):
+        sim = scores[torch.where(code_ok[start:stop], codes[start:stop], 0)]  # [c, Ld, Lq]
+        best = _token_max(sim.transpose(1, 2), valid[start:stop, None, :])  # [c, Lq]
+        parts.append(best.sum(dim=-1))
+    out = torch.cat(parts) if parts else scores.new_zeros(0)
+    return torch.where(bad, float("nan"), out)

@@ -57,9 +57,19 @@ def default_config(key: KernelKey) -> dict[str, int]:
         return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4,
                 "query_group": default_query_group(key)}  # fmt: skip
     block_l = 64 if key.head_dim <= 128 else 32
+    if "_fp8_" in key.variant:
+        # 1-byte elements: twice the doc tokens per tile keeps each pipeline stage (and
+        # the bytes in flight per program) at the bf16 default's size.
+        block_l *= 2
     query_group = default_query_group(key)
     num_warps = 4 if key.lq * query_group <= 32 else 8
-    return {"block_l": block_l, "num_warps": num_warps, "num_stages": 3, "block_n": 8,
+    stages = 3
+    if any(f"_res{nbits}" in key.variant for nbits in (2, 4, 8)):
+        # Decoding a residual tile (centroid gather, bit unpacking) is register-heavy:
+        # small unpipelined tiles ran 4-7x faster than the default on an H200
+        # (1000 docs, nbits 2: 0.09 vs 0.52 ms, benchmarks/bench_plaid.py --sweep).
+        block_l, stages = 32, 1
+    return {"block_l": block_l, "num_warps": num_warps, "num_stages": stages, "block_n": 8,
             "query_group": query_group}  # fmt: skip
 
 

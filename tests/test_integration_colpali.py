@@ -1,6 +1,7 @@
 """colpali-engine integration: with lik routing on, maxsim_inbatch, maxsim_kd,
-score_multi_vector and the five Colbert loss heads give colpali-engine's own numbers and
-input gradients; smooth MaxSim, unsupported inputs and LIK_DISABLE=1 go to the library;
+score_multi_vector and the five Colbert loss heads (hard and smooth max) give
+colpali-engine's own numbers and input gradients; unsupported inputs and LIK_DISABLE=1 go
+to the library;
 disable() puts the originals back by identity.
 
 Inputs are zero-padded random fp32 batches whose query and doc tokens lean apart, so zero
@@ -24,7 +25,7 @@ processing_utils = pytest.importorskip("colpali_engine.utils.processing_utils")
 
 from lik import runtime  # noqa: E402
 from lik.integrations import colpali as lik_colpali  # noqa: E402
-from lik.runtime import dispatch  # noqa: E402
+from lik.runtime import dispatch, variants  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -63,14 +64,15 @@ def lik_path(request, monkeypatch):
 def lik_calls(monkeypatch):
     """Names of the lik entry points that calls reached (empty: the library scored alone)."""
     calls = []
-    for name in ("maxsim", "maxsim_pairs"):
-        real = getattr(runtime, name)
+    for module, name in ((runtime, "maxsim"), (runtime, "maxsim_pairs"),
+                         (variants, "maxsim_smooth")):  # fmt: skip
+        real = getattr(module, name)
 
         def recording(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(runtime, name, recording)
+        monkeypatch.setattr(module, name, recording)
     return calls
 
 
@@ -244,14 +246,17 @@ SMOOTH_LOSSES = (losses.ColbertLoss, losses.ColbertPairwiseCELoss, losses.Colber
 @pytest.mark.parametrize(
     "loss_class", SMOOTH_LOSSES + NEGATIVE_LOSSES, ids=lambda cls: cls.__name__
 )
-def test_smooth_max_keeps_the_library_path(lik_calls, loss_class):
+def test_smooth_max_goes_through_lik(lik_path, lik_calls, loss_class):
     g = _generator(7)
     Q, D = _queries(B, LQ, DIM, generator=g), _docs(B, LD, DIM, generator=g)
     tensors = [Q, D] if loss_class in SMOOTH_LOSSES else [Q, D, _docs(B, K, LD, DIM, generator=g)]
     loss = loss_class(use_smooth_max=True)
     actual, expected = _routed_and_original(loss, tensors)
-    assert lik_calls == []
-    _assert_same(actual, expected, tensors, "reference")
+    _assert_same(actual, expected, tensors, lik_path)
+    # In-batch heads: one smooth in-batch call. Negative-doc heads: positives (pairs),
+    # negatives (as pairs of repeated queries), then the in-batch term.
+    calls = 1 if loss_class in SMOOTH_LOSSES else 3
+    assert lik_calls == ["maxsim_smooth"] * calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -7,9 +7,11 @@ lik, wherever colpali-engine holds them: `BaseVisualRetrieverProcessor.score_mul
 `ColbertNegativeCELoss` and `ColbertPairwiseNegativeCELoss` get a forward that scores
 their positives with `lik.maxsim_pairs` (colpali-engine builds them with an einsum) and
 their negatives in the kd layout, then applies the library's own normalization, softplus
-and in-batch term. A loss with `use_smooth_max=True` keeps the library's forward
-(smooth MaxSim is not a lik variant yet). `disable()` restores the originals;
-`enabled()` is the with-block form.
+and in-batch term. With `use_smooth_max=True` (tau * logsumexp(sim / tau) over doc
+tokens instead of the max), the in-batch scores (`ColbertModule._inbatch_scores`) and
+the negative-doc losses go through `lik.runtime.variants.maxsim_smooth` instead of
+colpali-engine's materialized [B, B, Lq, Ld] einsum. `disable()` restores the
+originals; `enabled()` is the with-block form.
 
 Semantics: colpali-engine has no masks. Embeddings are zero-padded, and the padding
 takes part in the max like any token:
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 
 from lik import runtime
 from lik.integrations import Integration, call_lik, lik_accepts
+from lik.runtime import variants
 
 MIRRORED_RELEASE = "0.3.18"  # the colpali-engine whose loss forwards ours reproduce
 _MAXSIM = "colpali_engine.utils.maxsim"
@@ -101,18 +104,51 @@ def _maxsim_pairs(query, doc):
     return _in_library_dtype(call_lik(runtime.maxsim_pairs, query, doc), query)
 
 
-def _explicit_negatives_loss(loss, query, positives, negatives, in_batch_term):
-    """The body both negative-doc losses share in colpali-engine 0.3.18, scored by lik.
+def _smooth(query, doc, tau, *, pairs):
+    return _in_library_dtype(
+        call_lik(variants.maxsim_smooth, query, doc, tau=tau, pairs=pairs), query
+    )
 
-    None (use the library's forward) for smooth MaxSim or inputs lik does not take.
+
+def _smooth_kd(query, negatives, tau):
+    """[B, L_q, d] x [B, N, L_d, d] -> [B, N] smooth scores, as B * N diagonal pairs (the
+    query repeated per negative: a [B * N, L_q, d] copy, small beside the negatives)."""
+    B, N = negatives.shape[0], negatives.shape[1]
+    repeated = query.unsqueeze(1).expand(B, N, *query.shape[1:]).reshape(B * N, *query.shape[1:])
+    scores = _smooth(repeated, negatives.reshape(B * N, *negatives.shape[2:]), tau, pairs=True)
+    return None if scores is None else scores.view(B, N)
+
+
+def _inbatch_scores(self, query_embeddings, doc_embeddings):
+    """ColbertModule._inbatch_scores with use_smooth_max: lik's smooth kernels, then the
+    library's length normalization. Hard max: None (the library's body, whose
+    maxsim_inbatch is already lik's)."""
+    if not (self.use_smooth_max and _auto_backend()):
+        return None
+    if not _takes_inbatch(query_embeddings, doc_embeddings):
+        return None
+    scores = _smooth(query_embeddings, doc_embeddings, self.tau, pairs=False)
+    if scores is not None and self.normalize_scores:
+        lengths = (query_embeddings[:, :, 0] != 0).sum(dim=1)
+        scores = self._apply_normalization(scores, lengths)
+    return scores
+
+
+def _explicit_negatives_loss(loss, query, positives, negatives, in_batch_term):
+    """The body both negative-doc losses share in colpali-engine 0.3.18, scored by lik
+    (smooth max included). None (use the library's forward) for inputs lik does not take.
     """
-    if loss.use_smooth_max or not _auto_backend():
+    if not _auto_backend():
         return None
     if not (_takes_pairs(query, positives) and _takes_kd(query, negatives)):
         return None
     lengths = (query[:, :, 0] != 0).sum(dim=1)
-    pos_scores = _maxsim_pairs(query, positives)
-    neg_scores = None if pos_scores is None else _maxsim_kd(query, negatives)
+    if loss.use_smooth_max:
+        pos_scores = _smooth(query, positives, loss.tau, pairs=True)
+        neg_scores = None if pos_scores is None else _smooth_kd(query, negatives, loss.tau)
+    else:
+        pos_scores = _maxsim_pairs(query, positives)
+        neg_scores = None if pos_scores is None else _maxsim_kd(query, negatives)
     if neg_scores is None:
         return None
     if loss.normalize_scores:
@@ -156,6 +192,7 @@ _FUNCTION_ROUTES = {
     f"{_MAXSIM}:maxsim_kd": _maxsim_kd,
 }
 _LOSS_FORWARD_ROUTES = {
+    f"{_LOSSES}:ColbertModule._inbatch_scores": _inbatch_scores,
     f"{_LOSSES}:ColbertNegativeCELoss.forward": _negative_ce_forward,
     f"{_LOSSES}:ColbertPairwiseNegativeCELoss.forward": _pairwise_negative_ce_forward,
 }

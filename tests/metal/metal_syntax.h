@@ -65,7 +65,9 @@ template <typename To, typename From>
 To as_type(From x);
 
 float max(float a, float b);
+using std::exp;
 using std::isnan;
+using std::log;
 using std::sqrt;
 
 }  // namespace metal

@@ -1,0 +1,449 @@
+"""Hooked token scores (weighted, smooth, top-k mean) on Metal, without a Mac.
+
+The syntax check of every generated .metal file (tests/test_metal.py) covers these
+variants too. Here a few of them run on the CPU build of the Metal surface
+(tests/metal/metal_cpu.h: the 32 lanes of a simdgroup in lockstep), reached through the
+public lik.runtime.variants functions with only torch.mps.compile_shader replaced, and are
+compared with the float64 reference, forward and backward (grad_Q, grad_D, grad_W).
+Nothing here runs on Apple hardware or says anything about its speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+import subprocess
+
+import pytest
+import torch
+from helpers import TOLERANCE, relative_error
+from test_metal import HARNESS, MSL_DTYPE, _compiler, _kernels_inc, kernel_signatures
+
+from lik.runtime import metal, variants
+from lik.runtime.reference import maxsim_scored_reference
+from lik_gen.ir import Score, Variant
+from lik_gen.plan_metal import MAX_BUFFERS, plan_metal
+
+# Every score, layout, dtype, normalize and backward value, and both argument forms
+# (strides one by one, and packed into one array: the weighted, masked backwards).
+EXECUTED = (
+    "maxsim_dense_qdmask_fp32_metal_norm_lowmem_weighted",
+    "maxsim_pairs_qdmask_fp32_metal_lowmem_weighted",
+    "maxsim_dense_qdmask_fp32_metal_norm_lowmem_smooth",
+    "maxsim_pairs_nomask_fp16_metal_lowmem_smooth",
+    "maxsim_dense_nomask_fp32_metal_smooth",
+    "maxsim_dense_qdmask_bf16_metal_norm_lowmem_topkmean",
+    "maxsim_dense_nomask_fp32_metal_lowmem_topkmean",
+    "maxsim_dense_nomask_fp32_metal_topkmean",
+)
+SCORE_OF = {"weighted": "weighted", "smooth": "smooth", "topkmean": "topk_mean"}
+TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The CPU build computes in fp32 exactly as written; half inputs and gradients are bound
+# by DESIGN.md's 1e-2.
+FP32_FORWARD, FP32_GRAD = 1e-5, 1e-4
+
+
+# --- the CPU build of the executed variants and a fake compile boundary -------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_library(tmp_path_factory):
+    cxx = _compiler()
+    tmp = tmp_path_factory.mktemp("metal_scored")
+    (tmp / "kernels.inc").write_text(_kernels_inc(EXECUTED))
+    library = tmp / "libmetal_scored.so"
+    build = subprocess.run([*cxx, "-O1", "-shared", "-fPIC", f"-I{tmp}",
+                            str(HARNESS / "driver.cpp"), "-o", str(library)],
+                           capture_output=True, text=True)  # fmt: skip
+    assert build.returncode == 0, build.stderr[-4000:]
+    lib = ctypes.CDLL(str(library))
+    lib.lik_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
+                                   ctypes.c_long, ctypes.c_char_p, ctypes.c_long]  # fmt: skip
+    return lib
+
+
+class CpuKernel:
+    """One kernel of the fake library: checks each argument against the kernel's MSL
+    declaration the way torch.mps.compile_shader binds it (a tensor per device pointer, a
+    Python float for `constant float&`, an int for `constant long&`, a list of ints for
+    `constant long*`), then runs it on the CPU build."""
+
+    def __init__(self, library, name, signature, calls):
+        self.library, self.name, self.signature, self.calls = library, name, signature, calls
+
+    def __call__(self, *args, threads, group_size):
+        self.calls.append((self.name, args, threads, group_size))
+        assert len(args) == len(self.signature), f"{self.name}: {len(args)} arguments"
+        assert threads % 32 == 0 and 0 < group_size <= 1024 and group_size % 32 == 0
+        kept = [self._bind(decl, name, value)
+                for (decl, name, _), value in zip(self.signature, args, strict=True)]  # fmt: skip
+        argv = (ctypes.c_void_p * len(kept))(*(self._pointer(k) for k in kept))
+        error = ctypes.create_string_buffer(4096)
+        rc = self.library.lik_cpu_launch(self.name.encode(), argv, threads, group_size, error, 4096)
+        assert rc == 0, error.value.decode()
+
+    @staticmethod
+    def _pointer(kept):
+        """The void* the driver reads: a buffer as is, a scalar or an array by address."""
+        if isinstance(kept, ctypes.c_void_p):
+            return kept
+        if isinstance(kept, ctypes.c_long | ctypes.c_float):
+            kept = ctypes.pointer(kept)
+        return ctypes.cast(kept, ctypes.c_void_p)
+
+    def _bind(self, decl, name, value):
+        where = f"{self.name}: {name}"
+        if decl == "constant float&":
+            assert type(value) is float, f"{where} must be a float, got {value!r}"
+            return ctypes.c_float(value)
+        if decl == "constant long&":
+            assert type(value) is int, f"{where} must be an int, got {value!r}"
+            return ctypes.c_long(value)
+        if decl == "constant long*":
+            assert isinstance(value, list) and all(type(v) is int for v in value), where
+            return (ctypes.c_long * len(value))(*value)
+        element = decl.split()[-1].rstrip("*")
+        assert isinstance(value, torch.Tensor), f"{where} is not a tensor"
+        assert value.dtype == MSL_DTYPE[element], f"{where} is {value.dtype}, not {element}"
+        return ctypes.c_void_p(value.data_ptr())
+
+
+class CpuLibrary:
+    def __init__(self, library, source, calls):
+        self._kernels = {name: CpuKernel(library, name, signature, calls)
+                         for name, signature in kernel_signatures(source).items()}  # fmt: skip
+
+    def __getattr__(self, name):
+        return self._kernels[name]
+
+
+@pytest.fixture
+def fake_mps(cpu_library, monkeypatch):
+    """CPU tensors routed like MPS ones, torch.mps.compile_shader replaced by the CPU build,
+    and the Metal path forced (the tiny shapes here would run the eager reference).
+    Yields the launches and the compiled variants."""
+    calls, compiled = [], []
+
+    def compile_shader(source):
+        compiled.append(re.search(r"^// variant: (\w+)", source, re.MULTILINE).group(1))
+        return CpuLibrary(cpu_library, source, calls)
+
+    monkeypatch.setattr(metal, "compile_shader", compile_shader)
+    monkeypatch.setattr(metal, "handles", lambda device: True)
+    monkeypatch.setattr(metal, "_compiled", {})
+    monkeypatch.setattr(metal, "_failures", {})
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")
+    yield calls, compiled
+
+
+@contextlib.contextmanager
+def poisoned_outputs(monkeypatch):
+    """torch.empty inside lik.runtime.metal returns NaN-filled tensors (int16: -7), so
+    every score and gradient element must be written by the kernels."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.dtype.is_floating_point else -7)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(metal.torch, "empty", poisoned)
+        yield
+
+
+# --- inputs and the float64 ground truth --------------------------------------------------
+
+
+def parse(name):
+    tokens = name.split("_")
+    return {
+        "layout": tokens[1],
+        "masked": tokens[2] == "qdmask",
+        "dtype": TORCH_DTYPE[tokens[3]],
+        "normalize": "norm" in tokens,
+        "train": "lowmem" in tokens,
+        "score": SCORE_OF[tokens[-1]],
+    }
+
+
+def make_inputs(v, Nq, Nd, Lq, Ld, dim, *, seed=0, k=3, tau=0.3):
+    g = torch.Generator().manual_seed(seed)
+    Nd = Nq if v["layout"] == "pairs" else Nd
+    Q = torch.randn(Nq, Lq, dim, generator=g).to(v["dtype"])
+    D = torch.randn(Nd, Ld, dim, generator=g).to(v["dtype"])
+    q_mask = d_mask = None
+    if v["masked"]:
+        q_mask = torch.rand(Nq, Lq, generator=g) < 0.8
+        d_mask = torch.rand(Nd, Ld, generator=g) < 0.7
+        d_mask[0] = False  # a fully masked doc: scores 0, takes no gradient
+    params = {"k": k} if v["score"] == "topk_mean" else {"tau": tau}
+    if v["score"] == "weighted":
+        params = {"weights": torch.rand(Nq, Lq, generator=g) + 0.5}
+    return Q, D, q_mask, d_mask, params
+
+
+def call(v, Q, D, q_mask, d_mask, params):
+    options = {"normalize": v["normalize"], "pairs": v["layout"] == "pairs"}
+    if v["score"] == "weighted":
+        return variants.maxsim_weighted(Q, D, params["weights"], q_mask, d_mask, **options)
+    if v["score"] == "smooth":
+        return variants.maxsim_smooth(Q, D, q_mask, d_mask, tau=params["tau"], **options)
+    return variants.maxsim_topk_mean(Q, D, q_mask, d_mask, k=params["k"], **options)
+
+
+def reference(v, Q, D, q_mask, d_mask, params):
+    return maxsim_scored_reference(
+        Q, D, q_mask, d_mask, score=v["score"], weights=params.get("weights"),
+        tau=params.get("tau", 0.1), k=params.get("k", 1), normalize=v["normalize"],
+        pairs=v["layout"] == "pairs",
+    )  # fmt: skip
+
+
+def bounds(dtype):
+    if dtype == torch.float32:
+        return FP32_FORWARD, FP32_GRAD
+    return TOLERANCE[dtype], TOLERANCE[dtype]
+
+
+def check(v, Q, D, q_mask, d_mask, params, monkeypatch, *, name):
+    """Runs the call (with autograd when the variant trains) and compares everything with
+    the float64 reference. Returns (Q.grad, D.grad) of the kernels."""
+    forward_bound, grad_bound = bounds(v["dtype"])
+    weights = params.get("weights")
+    if v["train"]:
+        Q.requires_grad_()
+        D.requires_grad_()
+        if weights is not None:
+            weights.requires_grad_()
+    with poisoned_outputs(monkeypatch):
+        out = call(v, Q, D, q_mask, d_mask, params)
+    Q64, D64 = Q.detach().double().requires_grad_(), D.detach().double().requires_grad_()
+    params64 = dict(params)
+    if weights is not None:
+        params64["weights"] = weights.detach().double().requires_grad_()
+    ref = reference(v, Q64, D64, q_mask, d_mask, params64)
+    assert out.dtype == torch.float32 and out.shape == ref.shape, name
+    assert torch.isfinite(out).all(), f"{name}: unwritten or non-finite scores"
+    assert relative_error(out, ref) < forward_bound, f"{name}: forward"
+    if not v["train"]:
+        return None, None
+    grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    with poisoned_outputs(monkeypatch):
+        out.backward(grad.float())
+    ref.backward(grad)
+    pairs = [("grad_Q", Q.grad, Q64.grad), ("grad_D", D.grad, D64.grad)]
+    if weights is not None:
+        pairs.append(("grad_W", weights.grad, params64["weights"].grad))
+    for what, got, want in pairs:
+        assert got.dtype == (weights.dtype if what == "grad_W" else v["dtype"]), what
+        assert torch.isfinite(got).all(), f"{name}: {what} unwritten"
+        assert relative_error(got, want) < grad_bound, f"{name}: {what}"
+    return Q.grad, D.grad
+
+
+# --- forward and backward against the float64 reference ----------------------------------
+
+
+@pytest.mark.parametrize("name", EXECUTED)
+@pytest.mark.parametrize(
+    "shape",
+    # Lq 11: two row blocks, the second ragged; Ld 37: five doc tiles and two 32-token
+    # chunks in grad_Q, ragged; dim 40: five fragments, not a power of two.
+    [(3, 4, 11, 37, 40), (2, 3, 1, 9, 8)],
+    ids=["odd", "Lq1"],
+)
+def test_matches_float64_reference(fake_mps, monkeypatch, name, shape):
+    calls, compiled = fake_mps
+    v = parse(name)
+    Q, D, q_mask, d_mask, params = make_inputs(v, *shape)
+    _, grad_d = check(v, Q, D, q_mask, d_mask, params, monkeypatch, name=name)
+    assert compiled == [name]
+    roles = ["forward", "grad_q", "grad_d"] if v["train"] else ["forward"]
+    assert [c[0] for c in calls] == [f"{name}_{role}" for role in roles]
+    if v["masked"] and v["train"]:
+        assert (grad_d[0] == 0).all(), "a fully masked doc takes no gradient"
+
+
+@pytest.mark.parametrize("k", [1, 5, 16])
+def test_topk_mean_k_not_a_power_of_two_and_above_the_valid_tokens(fake_mps, monkeypatch, k):
+    # k = 5: an odd count of slots; k = 16 > Ld = 13: the mean runs over the tokens there
+    # are; k = 1 is MaxSim. The masked variant also has a fully masked doc.
+    for name in ("maxsim_dense_nomask_fp32_metal_lowmem_topkmean",
+                 "maxsim_dense_qdmask_bf16_metal_norm_lowmem_topkmean"):  # fmt: skip
+        v = parse(name)
+        Q, D, q_mask, d_mask, params = make_inputs(v, 2, 3, 9, 13, 16, seed=k, k=k)
+        check(v, Q, D, q_mask, d_mask, params, monkeypatch, name=f"{name} k={k}")
+
+
+def test_topk_mean_ties_keep_the_earliest_tokens(fake_mps):
+    # Doc tokens repeat (t, t + 4, t + 8, ...): the kept pair must be the earliest copies,
+    # across lanes (4 apart) and tiles (8 apart), as the Triton hook keeps them.
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(1, 4, 8, generator=g)
+    D = torch.cat([base] * 5, dim=1).requires_grad_()
+    Q = torch.randn(1, 3, 8, generator=g)
+    out = variants.maxsim_topk_mean(Q, D, k=2)
+    ref = maxsim_scored_reference(Q.double(), D.detach().double(), score="topk_mean", k=2)
+    assert relative_error(out, ref) < FP32_FORWARD
+    out.sum().backward()
+    assert (D.grad[0, 8:] == 0).all(), "only the two earliest copies take gradient"
+    assert (D.grad[0, :8] != 0).any()
+
+
+def test_weighted_ties_go_to_the_earliest_doc_token(fake_mps):
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(1, 4, 8, generator=g)
+    D = torch.cat([base] * 3, dim=1).requires_grad_()
+    Q, W = torch.randn(1, 5, 8, generator=g), torch.rand(1, 5, generator=g)
+    # All-valid masks and normalize: the executed weighted variant (copies still tie).
+    masks = torch.ones(1, 5, dtype=torch.bool), torch.ones(1, 12, dtype=torch.bool)
+    variants.maxsim_weighted(Q, D, W, *masks, normalize=True).sum().backward()
+    assert (D.grad[0, 4:] == 0).all() and (D.grad[0, :4] != 0).any()
+
+
+@pytest.mark.parametrize("score", ["smooth", "topk_mean"])
+def test_non_finite_inputs_never_score_finite(fake_mps, score):
+    name = f"maxsim_dense_nomask_fp32_metal_{score.replace('_', '')}"
+    v = parse(name)
+    Q, D, _, _, params = make_inputs(v, 2, 3, 5, 13, 8)
+    D[1, 6, 0] = float("nan")
+    out = call(v, Q, D, None, None, params)
+    assert torch.isfinite(out[:, [0, 2]]).all() and torch.isnan(out[:, 1]).all()
+
+
+def test_strided_inputs_bind_their_strides(fake_mps, monkeypatch):
+    # Q a non-contiguous view (every other query token), D transposed in memory: the
+    # packed stride array and the one-by-one strides must both carry the real strides.
+    name = "maxsim_dense_qdmask_fp32_metal_norm_lowmem_weighted"
+    v = parse(name)
+    Q, D, q_mask, d_mask, params = make_inputs(v, 3, 4, 14, 20, 24, seed=6)
+    Q = Q[:, ::2]
+    D = D.transpose(0, 1).contiguous().transpose(0, 1)
+    q_mask = q_mask[:, ::2]
+    params["weights"] = params["weights"][:, ::2]
+    check(v, Q, D, q_mask, d_mask, params, monkeypatch, name=name)
+
+
+@pytest.mark.parametrize("which", ["q_mask", "d_mask"])
+def test_one_mask_runs_the_both_masks_variant(fake_mps, monkeypatch, which):
+    calls, compiled = fake_mps
+    name = "maxsim_dense_qdmask_fp32_metal_norm_lowmem_smooth"
+    v = parse(name)
+    Q, D, q_mask, d_mask, params = make_inputs(v, 2, 3, 7, 10, 16, seed=7)
+    masks = {"q_mask": q_mask, "d_mask": None} if which == "q_mask" else {
+        "q_mask": None, "d_mask": d_mask}  # fmt: skip
+    check(v, Q, D, masks["q_mask"], masks["d_mask"], params, monkeypatch, name=name)
+    assert compiled == [name]
+
+
+def test_backward_is_bitwise_reproducible(fake_mps):
+    v = parse("maxsim_pairs_nomask_fp16_metal_lowmem_smooth")
+    Q, D, _, _, params = make_inputs(v, 3, 3, 6, 19, 16, seed=8)
+    Q.requires_grad_()
+    D.requires_grad_()
+    grads = []
+    for _ in range(2):
+        Q.grad = D.grad = None
+        call(v, Q, D, None, None, params).sum().backward()
+        grads.append((Q.grad.clone(), D.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# --- the runtime path: launches, fallbacks, envelope ---------------------------------------
+
+
+def test_launch_grids_and_scalar_parameters(fake_mps):
+    calls, _ = fake_mps
+    v = parse("maxsim_dense_nomask_fp32_metal_lowmem_topkmean")
+    Q, D, _, _, _ = make_inputs(v, 3, 2, 16, 48, 24)
+    Q.requires_grad_()
+    variants.maxsim_topk_mean(Q, D, k=3).sum().backward()
+    name = "maxsim_dense_nomask_fp32_metal_lowmem_topkmean"
+    grids = {kernel: (threads, group) for kernel, _, threads, group in calls}
+    assert grids[f"{name}_forward"] == (3 * 2 * 32, 128)  # one simdgroup per (query, doc)
+    assert grids[f"{name}_grad_q"] == (3 * 16 * 32, 128)  # one per query token
+    assert grids[f"{name}_grad_d"] == (2 * 48 * 32, 128)  # one per doc token
+    for _, args, _, _ in calls:
+        assert args[-1] == 3, "token_k is the kernels' trailing argument"
+
+
+def test_empty_batches_score_zero_without_launching(fake_mps):
+    calls, _ = fake_mps
+    for Nq, Nd, Lq, Ld in ((0, 3, 4, 5), (2, 0, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):
+        Q = torch.randn(Nq, Lq, 8, requires_grad=True)
+        D = torch.randn(Nd, Ld, 8, requires_grad=True)
+        out = variants.maxsim_smooth(Q, D, tau=0.5)
+        assert out.shape == (Nq, Nd) and (out == 0).all()
+        out.sum().backward()
+        assert (Q.grad == 0).all() and (D.grad == 0).all()
+    assert calls == []
+
+
+def test_compile_failure_is_reported_once_then_falls_back(fake_mps, monkeypatch):
+    attempts = []
+
+    def failing(source):
+        attempts.append(source)
+        raise RuntimeError("program_source:40:9: error: no matching function for call")
+
+    monkeypatch.setattr(metal, "compile_shader", failing)
+    monkeypatch.setattr(metal.torch, "compile", lambda fn, **kwargs: fn)
+    metal._compiled_scored_reference.cache_clear()
+    monkeypatch.delenv(metal.FORCE_ENV)
+    g = torch.Generator().manual_seed(10)
+    Q, D = torch.randn(4, 16, 24, generator=g), torch.randn(5, 20, 24, generator=g)
+    with pytest.warns(RuntimeWarning, match="did not compile.*no matching function"):
+        first = variants.maxsim_smooth(Q, D, tau=0.2)
+    second = variants.maxsim_smooth(Q, D, tau=0.2)
+    metal._compiled_scored_reference.cache_clear()
+    assert len(attempts) == 1 and torch.equal(first, second)
+    ref = maxsim_scored_reference(Q.double(), D.double(), score="smooth", tau=0.2)
+    assert relative_error(first, ref) < FP32_FORWARD
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")
+    with pytest.raises(metal.MetalCompileError, match="no matching function"):
+        variants.maxsim_smooth(Q, D, tau=0.2)
+
+
+@pytest.mark.parametrize("dim, Lq, Ld, launches", [(24, 16, 20, True), (12, 16, 20, False),
+                                                   (24, 2, 3, False)])  # fmt: skip
+def test_envelope_picks_the_path(fake_mps, monkeypatch, dim, Lq, Ld, launches):
+    calls, _ = fake_mps
+    monkeypatch.delenv(metal.FORCE_ENV)
+    monkeypatch.setattr(metal.torch, "compile", lambda fn, **kwargs: fn)
+    metal._compiled_scored_reference.cache_clear()
+    g = torch.Generator().manual_seed(11)
+    Q, D = torch.randn(4, Lq, dim, generator=g), torch.randn(5, Ld, dim, generator=g)
+    out = variants.maxsim_topk_mean(Q, D, k=2)
+    metal._compiled_scored_reference.cache_clear()
+    ref = maxsim_scored_reference(Q.double(), D.double(), score="topk_mean", k=2)
+    assert relative_error(out, ref) < FP32_FORWARD
+    assert bool(calls) == launches
+
+
+def test_forced_metal_outside_its_envelope_raises(fake_mps):
+    Q, D = torch.randn(2, 4, 12), torch.randn(3, 5, 12)
+    with pytest.raises(ValueError, match="head dim 12 is not a multiple of 8"):
+        variants.maxsim_smooth(Q, D)
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+def test_every_scored_metal_kernel_fits_metal_argument_table():
+    from lik.runtime import registry
+
+    names = [n for n in registry.names() if "_metal" in n and Variant.parse(n).score != Score.MAX]
+    assert len(names) == 144
+    packed = 0
+    for name in names:
+        ctx = plan_metal(Variant.parse(name))
+        for kernel in (ctx.forward, ctx.grad_q, ctx.grad_d):
+            if kernel is None:
+                continue
+            assert len(kernel.args) <= MAX_BUFFERS, kernel.name
+            packed += bool(kernel.packed_strides)
+            # Strides travel one by one unless they would not fit.
+            unpacked = len(kernel.args) + len(kernel.packed_strides) - bool(kernel.packed_strides)
+            assert bool(kernel.packed_strides) == (unpacked > MAX_BUFFERS), kernel.name
+    assert packed > 0, "no variant exercises the packed strides"
