@@ -1,0 +1,477 @@
+"""FP8 (e4m3) rerank: lik's fp8 kernel against lik bf16 and late-interaction-kernels 0.4.5
+(its `maxsim_inference_fp8` and its bf16 `maxsim`), all timed in one run on one card.
+
+The rerank is memory bound (one query against many docs), so each implementation is
+reported against its own bandwidth floor, measured with the same run's copy ceiling:
+fp8 bytes = fp8 docs + fp8 query + their scales + fp32 scores; bf16 bytes = bf16 docs +
+bf16 query + scores. Parity against the float64 reference of the (dequantized) inputs
+comes before any timing. A small launch-config sweep of lik's fp8 kernel follows, and
+prints the tuning-table line of the fastest config.
+
+    python3 benchmarks/bench_fp8.py --out DIR [--shapes a,b] [--quick] [--no-sweep]
+    python3 benchmarks/bench_fp8.py --dry-run     # CPU, tiny shapes, reference paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from common import (
+    Shape,
+    attempt,
+    bench_ms,
+    cpu_wallclock_ms,
+    environment_info,
+    first_call_seconds,
+    format_ms,
+    format_ratio,
+    gpu_tag,
+    markdown_table,
+    measure_ceilings,
+    normalized_tokens,
+    percent_of_roofline,
+    relative_error,
+    release_cached_memory,
+    rotating,
+    rotation_count,
+    write_json,
+    write_speedup_plot,
+)
+
+SHAPES = [
+    Shape("fp8-rerank", 1, 8192, 32, 256, 128),  # PERF.md's fp8 anchor shape
+    Shape("fp8-rerank-32k", 1, 32768, 32, 256, 128),
+]
+DEFAULT_SHAPES = ("fp8-rerank",)
+PEER_DISTRIBUTIONS = {"late-interaction-kernels": "0.4.5"}
+TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
+# DESIGN.md: fp8 scores within 5e-2 of the float64 reference of the dequantized inputs;
+# bf16 inputs within 1e-2 of theirs.
+TOLERANCE = {"fp8": 5e-2, "bf16": 1e-2}
+PARITY_DOCS_EACH_END = 32  # first and last docs: offset overflows show at high indices
+# Launch configs the sweep tries for lik's fp8 kernel (block_l, num_stages, num_warps).
+SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8)))
+
+# key: (label, storage, scale granularity)
+IMPLEMENTATIONS = {
+    "lik_fp8_tensor": ("lik fp8 (per-tensor)", "fp8", "tensor"),
+    "lik_fp8_token": ("lik fp8 (per-token)", "fp8", "token"),
+    "lik_bf16": ("lik bf16", "bf16", None),
+    "lik45_fp8_tensor": ("LIK 0.4.5 fp8 (per-tensor)", "fp8", "tensor"),
+    "lik45_fp8_token": ("LIK 0.4.5 fp8 (per-token)", "fp8", "token"),
+    "lik45_bf16": ("LIK 0.4.5 bf16", "bf16", None),
+}
+HEADLINE = "lik_fp8_tensor"
+BASELINES = ("lik_bf16", "lik45_fp8_tensor", "lik45_bf16")
+DRY_RUN_IMPLEMENTATIONS = ("lik_fp8_tensor", "lik_fp8_token", "lik_bf16")
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs and implementations. Imports are lazy: a missing package is a recorded error.
+
+
+def make_inputs(shape: Shape, device, seed: int) -> dict:
+    """bf16 unit-norm tokens, and their fp8 forms with per-tensor and per-token scales
+    (lik's quantizers; LIK 0.4.5 uses the same e4m3 convention, scale = amax / 448)."""
+    from lik.runtime.fp8 import quantize_fp8_per_tensor, quantize_fp8_per_token
+
+    q = normalized_tokens(shape.nq, shape.lq, shape.d, device=device, seed=seed)
+    docs = normalized_tokens(shape.nd, shape.ld, shape.d, device=device, seed=seed + 1)
+    inputs = {"bf16": (q, docs)}
+    for granularity, quantize in (
+        ("tensor", quantize_fp8_per_tensor),
+        ("token", quantize_fp8_per_token),
+    ):
+        q8, scale_q = quantize(q)
+        d8, scale_d = quantize(docs)
+        inputs[granularity] = (q8, d8, scale_q, scale_d)
+    return inputs
+
+
+def build(key: str) -> Callable[[dict], torch.Tensor]:
+    """scores(inputs) -> fp32 [Nq, Nd] for one implementation."""
+    _, storage, granularity = IMPLEMENTATIONS[key]
+    if key.startswith("lik45"):
+        import late_interaction_kernels as peer
+        from late_interaction_kernels.fp8 import maxsim_inference_fp8 as peer_fp8
+
+        if storage == "bf16":
+            return lambda inputs: peer.maxsim(*inputs["bf16"])
+        return lambda inputs: _call_fp8(peer_fp8, inputs[granularity])
+    from lik.runtime import maxsim
+    from lik.runtime.fp8 import maxsim_inference_fp8
+
+    if storage == "bf16":
+        return lambda inputs: maxsim(*inputs["bf16"])
+    return lambda inputs: _call_fp8(maxsim_inference_fp8, inputs[granularity])
+
+
+def _call_fp8(fn, fp8_inputs):
+    q8, d8, scale_q, scale_d = fp8_inputs
+    return fn(q8, d8, scale_Q=scale_q, scale_D=scale_d)
+
+
+def floor_bytes(shape: Shape, storage: str, granularity: str | None) -> int:
+    """Bytes an implementation must move at least: inputs read once, scores written."""
+    tokens = shape.nq * shape.lq + shape.nd * shape.ld
+    scores = shape.nq * shape.nd * 4
+    if storage == "bf16":
+        return tokens * shape.d * 2 + scores
+    scales = 4 * (tokens if granularity == "token" else 2)
+    return tokens * shape.d + scales + scores
+
+
+# ---------------------------------------------------------------------------------------
+# Parity and timing
+
+
+def parity_docs(shape: Shape, device) -> torch.Tensor:
+    if shape.nd <= 2 * PARITY_DOCS_EACH_END:
+        return torch.arange(shape.nd, device=device)
+    head = torch.arange(PARITY_DOCS_EACH_END, device=device)
+    return torch.cat([head, head + shape.nd - PARITY_DOCS_EACH_END])
+
+
+def references(inputs: dict, docs: torch.Tensor) -> dict:
+    """float64 scores of the checked docs, per input form."""
+    from lik.runtime.reference import maxsim_fp8_reference, maxsim_reference
+
+    q, d = inputs["bf16"]
+    out = {"bf16": maxsim_reference(q.double(), d.index_select(0, docs).double())}
+    for granularity in ("tensor", "token"):
+        q8, d8, scale_q, scale_d = inputs[granularity]
+        if scale_d.dim() > 0:
+            scale_d = scale_d.index_select(0, docs)
+        out[granularity] = maxsim_fp8_reference(
+            q8, d8.index_select(0, docs), scale_Q=scale_q, scale_D=scale_d, dtype=torch.float64
+        )
+    return out
+
+
+def measure(key, shape, input_sets, refs, docs, ceilings, args) -> dict:
+    _, storage, granularity = IMPLEMENTATIONS[key]
+    result = {
+        "ms": None,
+        "pct_floor": None,
+        "parity_rel_err": None,
+        "parity_ok": None,
+        "first_call_s": None,
+        "error": None,
+    }
+    if args.dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
+        result["error"] = "skipped in dry run"
+        return result
+    scores, error = attempt(lambda: build(key))
+    if error:
+        result["error"] = error
+        return result
+    out, error = attempt(lambda: first_call_seconds(lambda: scores(input_sets[0])))
+    if error:
+        result["error"] = error
+        return result
+    out, result["first_call_s"] = out
+    ref = refs[granularity or "bf16"]
+    result["parity_rel_err"] = relative_error(out.index_select(1, docs), ref)
+    result["parity_ok"] = result["parity_rel_err"] <= TOLERANCE[storage]
+    if not result["parity_ok"]:
+        result["error"] = "parity failed: not timed"
+        return result
+    call = rotating(scores, [(inputs,) for inputs in input_sets])
+    if args.dry_run:
+        result["ms"] = cpu_wallclock_ms(call)
+    else:
+        ms, error = attempt(lambda: bench_ms(call, **TIMING["quick" if args.quick else "full"]))
+        result["ms"], result["error"] = ms, error
+    if ceilings and result["ms"]:
+        floor_ms = floor_bytes(shape, storage, granularity) / (ceilings["copy_tbps"] * 1e12) * 1e3
+        result["floor_ms"] = floor_ms
+        result["pct_floor"] = percent_of_roofline(floor_ms, result["ms"])
+    return result
+
+
+def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
+    """Times lik's fp8 kernel (per-tensor scales) under each SWEEP config, launched
+    directly, next to the config the runtime picks by default."""
+    from lik.runtime import dispatch, fp8, registry
+    from lik.runtime.keys import KernelKey, gpu_family, lq_bucket, padded_head_dim, size_class
+    from lik.runtime.tuning import LaunchConfig
+
+    q8, d8, scale_q, scale_d = inputs["tensor"]
+    name = "maxsim_dense_nomask_fp8_triton"
+    module = registry.load(name)
+    sq, sd = fp8._per_token(scale_q, q8.shape[:-1]), fp8._per_token(scale_d, d8.shape[:-1])
+    out = torch.empty(shape.nq, shape.nd, dtype=torch.float32, device=q8.device)
+    default = dispatch._config(name, module, q8, shape.lq, out.numel())
+    key = KernelKey(
+        name,
+        gpu_family(q8.device),
+        padded_head_dim(shape.d),
+        lq_bucket(shape.lq),
+        size_class(out.numel()),
+        1,
+    )
+    timing = TIMING["quick"]
+    rows = []
+    configs = [(default.block_l, default.num_stages, default.num_warps, True)]
+    configs += [(bl, st, nw, False) for bl, st, nw in SWEEP]
+    for block_l, stages, warps, is_default in configs:
+        config = LaunchConfig(
+            block_q=default.block_q,
+            block_l=block_l,
+            block_k=default.block_k,
+            num_warps=warps,
+            num_stages=stages,
+            query_group=1,
+        )
+        ms, error = attempt(
+            lambda config=config: bench_ms(
+                lambda: module.launch(out, q8, d8, sq, sd, config=config), **timing
+            )
+        )
+        rows.append(
+            {
+                "block_l": block_l,
+                "num_stages": stages,
+                "num_warps": warps,
+                "default": is_default,
+                "ms": ms,
+                "error": error,
+            }
+        )
+        print(
+            f"    block_l {block_l}, stages {stages}, warps {warps}"
+            f"{' (default)' if is_default else ''}: {format_ms(ms)} ms"
+            f"{'' if error is None else ' ' + error}",
+            flush=True,
+        )
+    timed = [row for row in rows if row["ms"]]
+    best = min(timed, key=lambda row: row["ms"]) if timed else None
+    line = None
+    if best:
+        line = (
+            f'"{key.table_key()}" = {{ block_l = {best["block_l"]}, num_warps = '
+            f'{best["num_warps"]}, num_stages = {best["num_stages"]}, query_group = 1, '
+            f'block_n = 8, ms = {best["ms"]:.4f}, shape = "{shape.name}" }}'
+        )
+    return {"table_key": key.table_key(), "rows": rows, "best": best, "toml_line": line}
+
+
+# ---------------------------------------------------------------------------------------
+# Reporting
+
+
+def ratio(record: dict, baseline: str, key: str = HEADLINE) -> float | None:
+    mine = record["results"].get(key, {}).get("ms")
+    other = record["results"].get(baseline, {}).get("ms")
+    return other / mine if mine and other else None
+
+
+def timing_table(report: dict) -> str:
+    keys = report["implementations"]
+    headers = [
+        "shape (Nq, Nd, Lq, Ld, d)",
+        "implementation",
+        "ms",
+        "% of own floor",
+        "parity",
+        f"{IMPLEMENTATIONS[HEADLINE][0]} speedup",
+    ]
+    rows = []
+    for record in report["shapes"]:
+        for key in keys:
+            result = record["results"][key]
+            parity = (
+                "—"
+                if result["parity_rel_err"] is None
+                else (f"{result['parity_rel_err']:.1e}" + ("" if result["parity_ok"] else " FAIL"))
+            )
+            speed = "—" if key == HEADLINE else format_ratio(ratio(record, key))
+            rows.append(
+                [
+                    f"{record['name']} {record['dims']}",
+                    IMPLEMENTATIONS[key][0],
+                    format_ms(result["ms"]),
+                    format_ratio(result["pct_floor"], "%"),
+                    parity,
+                    speed,
+                ]
+            )
+    return markdown_table(headers, rows)
+
+
+def markdown_report(report: dict) -> str:
+    env, ceilings = report["env"], report["ceilings"]
+    parts = [
+        f"# FP8 rerank on {env['gpu']}",
+        "",
+        f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
+        f"triton {env['triton']}; "
+        + ", ".join(f"{n} {v or 'not installed'}" for n, v in env["packages"].items())
+        + ".",
+        "",
+    ]
+    if ceilings:
+        parts += [f"Measured copy ceiling: {ceilings['copy_tbps']:.2f} TB/s (read + write).", ""]
+    parts += [
+        f"Median ms ({report['timing']['timer']}). Floors: fp8 docs + query + scales + fp32 "
+        "scores (fp8 rows), bf16 docs + query + scores (bf16 rows), at the copy ceiling. "
+        f"Speedup = implementation ms / {IMPLEMENTATIONS[HEADLINE][0]} ms. Parity: relative "
+        "error vs the float64 reference of the dequantized inputs (fp8 bound 5e-2, bf16 1e-2).",
+        "",
+        timing_table(report),
+        "",
+    ]
+    for record in report["shapes"]:
+        sweep = record.get("sweep")
+        if not sweep:
+            continue
+        parts += [f"## lik fp8 launch configs, {record['name']} (per-tensor scales)", ""]
+        rows = [
+            [
+                r["block_l"],
+                r["num_stages"],
+                r["num_warps"],
+                "yes" if r["default"] else "",
+                format_ms(r["ms"]),
+                r["error"] or "",
+            ]
+            for r in sweep["rows"]
+        ]
+        parts += [markdown_table(["block_l", "stages", "warps", "default", "ms", "error"], rows)]
+        if sweep["toml_line"]:
+            parts += ["", "Fastest, as a tuning-table line:", "", f"    {sweep['toml_line']}"]
+        parts += [""]
+    errors = [
+        f"- {IMPLEMENTATIONS[k][0]} ({r['name']}): {res['error']}"
+        for r in report["shapes"]
+        for k, res in r["results"].items()
+        if res["error"]
+    ]
+    if errors:
+        parts += ["## Errors", "", *errors, ""]
+    return "\n".join(parts)
+
+
+def write_report(report: dict, out_dir: Path, stem: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / f"{stem}.json", report)
+    (out_dir / f"{stem}.md").write_text(markdown_report(report))
+    names = [record["name"] for record in report["shapes"]]
+    series = {
+        f"vs {IMPLEMENTATIONS[b][0]}": [ratio(r, b) for r in report["shapes"]]
+        for b in BASELINES
+        if b in report["implementations"]
+    }
+    title = f"{IMPLEMENTATIONS[HEADLINE][0]} speedup, {report['env']['gpu']}"
+    if not write_speedup_plot(out_dir / f"{stem}.png", names, series, title):
+        print("matplotlib is not installed: no plot written", flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results)")
+    parser.add_argument(
+        "--shapes",
+        help="comma-separated shape names (default: fp8-rerank): "
+        + ",".join(s.name for s in SHAPES),
+    )
+    parser.add_argument("--quick", action="store_true", help="shorter warm-up and timing")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU only, tiny shapes, lik's reference paths, no peers",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    by_name = {shape.name: shape for shape in SHAPES}
+    names = [n.strip() for n in args.shapes.split(",")] if args.shapes else list(DEFAULT_SHAPES)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        sys.exit(f"unknown shapes: {', '.join(unknown)}; choose from {', '.join(by_name)}")
+    shapes = [by_name[n] for n in names]
+    if args.dry_run:
+        device, ceilings = "cpu", None
+        shapes = [Shape(s.name, s.nq, 64, 8, 16, s.d) for s in shapes]
+        out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-fp8-"))
+        timer = "CPU wall clock, dry run"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device; --dry-run exercises this script on a CPU")
+        device = "cuda"
+        out_dir = args.out or Path(__file__).resolve().parent / "results"
+        timing = TIMING["quick" if args.quick else "full"]
+        timer = f"triton do_bench, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms"
+        print("measuring the copy ceiling ...", flush=True)
+        ceilings = measure_ceilings(device, **timing)
+        print(f"  copy {ceilings['copy_tbps']:.2f} TB/s", flush=True)
+
+    env = environment_info(["lik", *PEER_DISTRIBUTIONS])
+    stem = f"fp8_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    keys = list(IMPLEMENTATIONS)
+    report = {
+        "suite": "fp8",
+        "env": env,
+        "ceilings": ceilings,
+        "timing": {"timer": timer},
+        "tolerance": TOLERANCE,
+        "implementations": keys,
+        "shapes": [],
+    }
+    if device == "cuda":
+        from lik.runtime.fp8 import fp8_path
+
+        report["lik_fp8_path"] = fp8_path(torch.device(device))
+        print(f"lik fp8 path on this card: {report['lik_fp8_path']}", flush=True)
+    for shape in shapes:
+        print(f"[{shape.name}] {shape.dims}", flush=True)
+        # The fp8 size decides the rotation (bf16 forms, twice as large, then rotate too).
+        sets = 1 if args.dry_run else rotation_count(shape.input_bytes(1))
+        input_sets = [make_inputs(shape, device, seed=2 * i) for i in range(sets)]
+        docs = parity_docs(shape, device)
+        refs = references(input_sets[0], docs)
+        record = {**shape.as_dict(), "dims": shape.dims, "rotation_sets": sets, "results": {}}
+        for key in keys:
+            print(f"  {IMPLEMENTATIONS[key][0]} ...", flush=True)
+            result = measure(key, shape, input_sets, refs, docs, ceilings, args)
+            record["results"][key] = result
+            print(
+                f"    {format_ms(result['ms'])} ms, floor {format_ratio(result['pct_floor'], '%')}"
+                f", parity {result['parity_rel_err']}"
+                f"{'' if result['error'] is None else ', ' + result['error']}",
+                flush=True,
+            )
+        if device == "cuda" and not args.no_sweep:
+            print("  lik fp8 config sweep ...", flush=True)
+            sweep, error = attempt(lambda s=shape, i=input_sets[0]: sweep_lik_fp8(s, i, args))
+            record["sweep"] = (
+                sweep if error is None else {"error": error, "rows": [], "toml_line": None}
+            )
+            if sweep and sweep["toml_line"]:
+                print(f"  fastest: {sweep['toml_line']}", flush=True)
+        report["shapes"].append(record)
+        del input_sets, refs
+        release_cached_memory()
+        write_report(report, out_dir, stem)  # after every shape: a cut-off run keeps data
+
+    print()
+    print(timing_table(report))
+    print(f"\nwrote {out_dir / stem}.json, .md, .png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
