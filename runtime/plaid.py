@@ -1,0 +1,409 @@
+"""PLAID (ColBERTv2 / fast-plaid) residual-compressed documents, scored in place.
+
+    plaid_approx_score(query_centroid_scores [n_c, Lq], codes [B, Ld], doc_lengths [B]) -> [B]
+    maxsim_residual(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits,
+                    *, normalize=True) -> [Nq, B]            (autograd to Q)
+    maxsim_residual_varlen(Q, codes_flat, residuals_flat, cu_seqlens_d, centroids,
+                           bucket_weights, nbits, *, max_seqlen_d=None, normalize=True)
+
+Q is one query [Lq, d] (the result drops the query axis) or several [Nq, Lq, d], scored
+against every candidate doc. A compressed doc token is a centroid id (codes, int32 or
+int64) plus one nbits-bit bucket id per dim (residuals, uint8, ceil(d * nbits / 8) bytes
+per token). One generated kernel per call decodes each doc tile in registers
+(centroids[code] + bucket_weights[bucket] per dim), L2-normalizes it and scores it; the
+decoded tokens never reach memory. Queries are L2-normalized too (normalize=True is the
+only mode: PLAID's decoded residuals are defined up to that normalization).
+
+Bit order (ColBERTv2 and fast-plaid write it with numpy.packbits over the bucket bits,
+least significant bucket bit first): bucket bit i of dim k is flat bit p = k * nbits + i
+of the token's bytes, stored in byte p // 8 at bit 7 - p % 8 (bit 0 = least significant).
+For nbits = 2, byte 0 = b0(dim0) b1(dim0) b0(dim1) b1(dim1) ... from its most significant
+bit down; for nbits = 8 each byte is its dim's bucket id with the bits reversed.
+
+Bad inputs are caught where they are read, without a host sync: a doc length outside
+[0, Ld], a valid token whose code is outside [0, n_centroids), or (varlen, with
+max_seqlen_d given) offsets outside the packed tokens make that doc's score NaN, never a
+truncated or wrong finite score. Shapes, dtypes and devices are checked up front.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lik.runtime import dispatch, ragged, registry
+from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES, variant_name
+from lik.runtime.reference import (
+    maxsim_residual_reference,
+    maxsim_residual_varlen_reference,
+    plaid_approx_score_reference,
+)
+
+NBITS = (2, 4, 8)
+_Q_DOC = "[Nq, Lq, d] or [Lq, d]"
+_INDEX_DTYPES = (torch.int32, torch.int64)
+# Docs per chunk of the PyTorch grad_Q recompute: bounds its decoded tokens and
+# similarities (~Nq * Lq * chunk * Ld floats).
+GRAD_CHUNK_ELEMENTS = 1 << 26
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _tensor(name: str, value: object, doc: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {doc}, got {type(value).__name__}")
+    return value
+
+
+def _check(name, value, doc, *, shape, dtypes, device, dtype_doc) -> torch.Tensor:
+    """A tensor of exactly `shape` (None = any size on that axis) and an allowed dtype."""
+    value = _tensor(name, value, doc)
+    if value.dim() != len(shape) or any(
+        want is not None and got != want for got, want in zip(value.shape, shape, strict=True)
+    ):
+        raise ValueError(f"{name} must be {doc}, got {_describe(value)}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name} must be {dtype_doc}, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{name} must be on {device} like the other inputs, got {value.device}")
+    return value
+
+
+def _query(Q: object) -> torch.Tensor:
+    Q = _tensor("Q", Q, _Q_DOC)
+    if Q.dim() not in (2, 3):
+        raise ValueError(f"Q must be {_Q_DOC}, got {_describe(Q)}")
+    if Q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"Q must be fp32, fp16 or bf16, got {Q.dtype}")
+    if Q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {Q.shape[-1]} exceeds the largest supported, {MAX_HEAD_DIM}")
+    return Q
+
+
+def _nbits(nbits: object) -> int:
+    if isinstance(nbits, bool) or not isinstance(nbits, int) or nbits not in NBITS:
+        raise ValueError(f"nbits must be one of {NBITS}, got {nbits!r}")
+    return nbits
+
+
+def _normalize(normalize: object) -> None:
+    if normalize is not True:
+        raise ValueError(
+            f"normalize must be True, got {normalize!r}: PLAID decodes residuals relative to "
+            "normalized embeddings, so decoded tokens (and queries) are always L2-normalized"
+        )
+
+
+def _codebook(Q, centroids, bucket_weights, nbits):
+    dim = Q.shape[-1]
+    centroids = _check(
+        "centroids",
+        centroids,
+        f"[n_centroids, {dim}]",
+        shape=(None, dim),
+        dtypes=SUPPORTED_DTYPES,
+        device=Q.device,
+        dtype_doc="fp32, fp16 or bf16",
+    )
+    if centroids.shape[0] == 0:
+        raise ValueError("centroids must hold at least one centroid, got shape (0, d)")
+    n_buckets = 1 << nbits
+    bucket_weights = _check(
+        "bucket_weights",
+        bucket_weights,
+        f"[{n_buckets}] (2 ** nbits)",
+        shape=(n_buckets,),
+        dtypes=SUPPORTED_DTYPES,
+        device=Q.device,
+        dtype_doc="fp32, fp16 or bf16",
+    )
+    return centroids, bucket_weights
+
+
+def packed_bytes(dim: int, nbits: int) -> int:
+    """Bytes of one token's packed residual: ceil(dim * nbits / 8)."""
+    return -(-dim * nbits // 8)
+
+
+def _compressed(Q, codes, residuals, nbits, lead: tuple, lead_doc: str, suffix: str):
+    """codes [*lead] and residuals [*lead, bytes], checked against each other and Q."""
+    width = packed_bytes(Q.shape[-1], nbits)
+    codes = _check(
+        f"codes{suffix}",
+        codes,
+        f"{lead_doc} int32 or int64",
+        shape=lead,
+        dtypes=_INDEX_DTYPES,
+        device=Q.device,
+        dtype_doc="int32 or int64",
+    )
+    residuals = _check(
+        f"residuals{suffix}",
+        residuals,
+        f"{lead_doc[:-1]}, {width}] uint8 (ceil(d * nbits / 8) = ceil({Q.shape[-1]} * {nbits} / 8)"
+        " bytes per token)",
+        shape=tuple(codes.shape) + (width,),
+        dtypes=(torch.uint8,),
+        device=Q.device,
+        dtype_doc="uint8 (packed bucket ids)",
+    )
+    return codes, residuals
+
+
+def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
+    return variant_name(layout, False, False, True, centroids.dtype) + f"_res{nbits}"
+
+
+def _query_chunks(lq: int):
+    # Lq == 0 still launches once: bad doc lengths or offsets must still poison.
+    return dispatch._chunks(lq) or [(0, 0)]
+
+
+def _launch(name, module, Q, lq, out, *args, **kwargs):
+    config = dispatch._config(name, module, Q, lq, out.numel())
+    _, fitted = dispatch._launch(module.launch, config, out, *args, **kwargs)
+    if fitted is not config:
+        dispatch._remember(config, fitted)
+
+
+def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):
+    out = torch.empty((Q.shape[0], codes.shape[0]), dtype=torch.float32, device=Q.device)
+    if out.numel() == 0:
+        return out
+    name = _variant("dense", centroids, nbits)
+    module = registry.load(name)
+    for start, stop in _query_chunks(Q.shape[1]):
+        whole = stop - start == Q.shape[1]
+        target = out if start == 0 else torch.empty_like(out)
+        _launch(
+            name,
+            module,
+            Q,
+            stop - start,
+            target,
+            Q if whole else Q[:, start:stop],
+            codes,
+            residuals,
+            centroids,
+            bucket_weights,
+            doc_lengths,
+        )
+        if start > 0:
+            out += target
+    return out
+
+
+def _grad_q(grad_out, Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):
+    """grad_Q of sum(grad_out * scores), recomputed in fp32 PyTorch chunk by chunk: only
+    this chunk's decoded tokens and similarities are alive at a time."""
+    grad_q = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+    per_doc = max(1, Q.shape[0] * Q.shape[1] * codes.shape[1] + codes.shape[1] * Q.shape[2])
+    step = max(1, GRAD_CHUNK_ELEMENTS // per_doc)
+    query = Q.detach().float()
+    for start in range(0, codes.shape[0], step):
+        stop = min(codes.shape[0], start + step)
+        with torch.enable_grad():
+            leaf = query.clone().requires_grad_()
+            part = maxsim_residual_reference(
+                leaf,
+                codes[start:stop],
+                residuals[start:stop],
+                doc_lengths[start:stop],
+                centroids,
+                bucket_weights,
+                nbits,
+            )
+            (grad,) = torch.autograd.grad(part, leaf, grad_out[:, start:stop].float())
+        grad_q += grad
+    return grad_q.to(Q.dtype)
+
+
+class _ResidualScores(torch.autograd.Function):
+    """Kernel forward; grad_Q from a chunked PyTorch recompute (compressed docs and the
+    codebook take no gradient)."""
+
+    @staticmethod
+    def forward(ctx, Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):
+        ctx.save_for_backward(Q, codes, residuals, doc_lengths, centroids, bucket_weights)
+        ctx.nbits = nbits
+        return _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_q = _grad_q(grad_out, *ctx.saved_tensors, ctx.nbits)
+        return grad_q, None, None, None, None, None, None
+
+
+def maxsim_residual(
+    Q: torch.Tensor,
+    codes: torch.Tensor,
+    residuals: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    centroids: torch.Tensor,
+    bucket_weights: torch.Tensor,
+    nbits: int,
+    *,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """MaxSim of Q [Nq, Lq, d] (or [Lq, d]) against B residual-compressed docs -> [Nq, B]
+    fp32 (or [B]).
+
+    codes [B, Ld] int32/int64 centroid ids; residuals [B, Ld, ceil(d * nbits / 8)] uint8;
+    doc_lengths [B] int32/int64, doc b's valid tokens are t < doc_lengths[b] (an empty doc
+    scores 0); centroids [n_centroids, d] fp32/fp16/bf16 (picks the kernel's dot dtype);
+    bucket_weights [2 ** nbits]; nbits in (2, 4, 8). Autograd flows to Q only; with Q
+    requiring grad, a zero-length doc raises ValueError (one host sync checks it).
+    """
+    Q = _query(Q)
+    nbits = _nbits(nbits)
+    _normalize(normalize)
+    codes, residuals = _compressed(Q, codes, residuals, nbits, (None, None), "[B, Ld]", "")
+    doc_lengths = _check(
+        "doc_lengths",
+        doc_lengths,
+        f"[{codes.shape[0]}] (one per doc)",
+        shape=(codes.shape[0],),
+        dtypes=_INDEX_DTYPES,
+        device=Q.device,
+        dtype_doc="int32 or int64",
+    )
+    centroids, bucket_weights = _codebook(Q, centroids, bucket_weights, nbits)
+    squeeze = Q.dim() == 2
+    batch = Q.unsqueeze(0) if squeeze else Q
+    if torch.is_grad_enabled() and Q.requires_grad and bool((doc_lengths == 0).any()):
+        empty = int((doc_lengths == 0).nonzero()[0, 0])
+        raise ValueError(
+            f"doc_lengths[{empty}] is 0: a zero-length doc has no token to route Q's "
+            "gradient to; drop empty docs before scoring with Q.requires_grad"
+        )
+    if dispatch.backend(Q.device) == "reference":
+        out = maxsim_residual_reference(
+            batch, codes, residuals, doc_lengths, centroids, bucket_weights, nbits
+        ).float()
+    else:
+        out = _ResidualScores.apply(
+            batch, codes, residuals, doc_lengths, centroids, bucket_weights, nbits
+        )
+    return out[0] if squeeze else out
+
+
+def maxsim_residual_varlen(
+    Q: torch.Tensor,
+    codes_flat: torch.Tensor,
+    residuals_flat: torch.Tensor,
+    cu_seqlens_d: torch.Tensor,
+    centroids: torch.Tensor,
+    bucket_weights: torch.Tensor,
+    nbits: int,
+    *,
+    max_seqlen_d: int | None = None,
+    normalize: bool = True,
+) -> torch.Tensor:
+    """maxsim_residual over an index's packed tokens (forward only): doc j is tokens
+    cu_seqlens_d[j] : cu_seqlens_d[j + 1] of codes_flat [T] and residuals_flat [T, bytes]
+    -> [Nq, Nd] fp32 (or [Nd] for Q [Lq, d]).
+
+    cu_seqlens_d is int32 [Nd + 1]. Every doc is read to its true length: max_seqlen_d is a
+    hint that never truncates. Without it, one host sync validates the offsets (start at
+    0, never decrease, end at T) and raises ValueError; with it, nothing is read back and a
+    doc with bad offsets scores NaN.
+    """
+    Q = _query(Q)
+    nbits = _nbits(nbits)
+    _normalize(normalize)
+    codes, residuals = _compressed(Q, codes_flat, residuals_flat, nbits, (None,), "[T]", "_flat")
+    cu_d = ragged._offsets("cu_seqlens_d", cu_seqlens_d, codes.shape[0], Q.device)
+    centroids, bucket_weights = _codebook(Q, centroids, bucket_weights, nbits)
+    if max_seqlen_d is None:
+        _, *facts = ragged._offset_facts(cu_d).tolist()  # the one host sync
+        problem = ragged._offset_problem("cu_seqlens_d", *facts, codes.shape[0])
+        if problem:
+            raise ValueError(problem)
+    else:
+        ragged._check_bound("max_seqlen_d", max_seqlen_d)
+    squeeze = Q.dim() == 2
+    batch = Q.unsqueeze(0) if squeeze else Q
+    if dispatch.backend(Q.device) == "reference":
+        out = maxsim_residual_varlen_reference(
+            batch, codes, residuals, cu_d, centroids, bucket_weights, nbits
+        ).float()
+    else:
+        out = _forward_varlen(
+            batch.detach(), codes, residuals, cu_d, centroids, bucket_weights, nbits
+        )
+    return out[0] if squeeze else out
+
+
+def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits):
+    Nq, Lq = Q.shape[0], Q.shape[1]
+    out = torch.empty((Nq, cu_d.shape[0] - 1), dtype=torch.float32, device=Q.device)
+    if out.numel() == 0:
+        return out
+    name = _variant("varlen", centroids, nbits)
+    module = registry.load(name)
+    for start, stop in _query_chunks(Lq):
+        lq = stop - start
+        # The varlen kernel reads packed queries: a padded [Nq, lq, d] batch is Nq
+        # sequences of lq tokens (a view when Q is contiguous).
+        packed = Q[:, start:stop].reshape(Nq * lq, Q.shape[2])
+        cu_q = torch.arange(Nq + 1, dtype=torch.int32, device=Q.device) * lq
+        target = out if start == 0 else torch.empty_like(out)
+        _launch(
+            name,
+            module,
+            packed,
+            lq,
+            target,
+            packed,
+            codes,
+            residuals,
+            centroids,
+            bucket_weights,
+            cu_q,
+            cu_d,
+            max_seqlen_q=lq,
+        )
+        if start > 0:
+            out += target
+    return out
+
+
+def plaid_approx_score(
+    query_centroid_scores: torch.Tensor, codes: torch.Tensor, doc_lengths: torch.Tensor
+) -> torch.Tensor:
+    """PLAID's centroid-only approximate score -> [B] fp32: per doc b, the sum over query
+    tokens s of the max over its valid tokens t < doc_lengths[b] of
+    query_centroid_scores[codes[b, t], s].
+
+    query_centroid_scores [n_centroids, Lq] (usually centroids @ Q.T); codes [B, Ld] and
+    doc_lengths [B] int32/int64. An empty doc scores 0; a length outside [0, Ld] or a valid
+    token's code outside [0, n_centroids) scores NaN (no host sync). Plain PyTorch
+    (gather, masked max, sum), chunked over docs to bound memory.
+    """
+    scores = _tensor("query_centroid_scores", query_centroid_scores, "[n_centroids, Lq]")
+    if scores.dim() != 2:
+        raise ValueError(
+            f"query_centroid_scores must be [n_centroids, Lq], got {_describe(scores)}"
+        )
+    if scores.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query_centroid_scores must be fp32, fp16 or bf16, got {scores.dtype}")
+    codes = _check(
+        "codes",
+        codes,
+        "[B, Ld] int32 or int64",
+        shape=(None, None),
+        dtypes=_INDEX_DTYPES,
+        device=scores.device,
+        dtype_doc="int32 or int64",
+    )
+    doc_lengths = _check(
+        "doc_lengths",
+        doc_lengths,
+        f"[{codes.shape[0]}] (one per doc)",
+        shape=(codes.shape[0],),
+        dtypes=_INDEX_DTYPES,
+        device=scores.device,
+        dtype_doc="int32 or int64",
+    )
+    return plaid_approx_score_reference(scores, codes, doc_lengths).float()
