@@ -55,8 +55,9 @@ TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, 
 # bf16 inputs within 1e-2 of theirs.
 TOLERANCE = {"fp8": 5e-2, "bf16": 1e-2}
 PARITY_DOCS_EACH_END = 32  # first and last docs: offset overflows show at high indices
-# Launch configs the sweep tries for lik's fp8 kernel (block_l, num_stages, num_warps).
-SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8)))
+# Launch configs the sweep tries for lik's fp8 kernel (block_l, num_stages, num_warps,
+# docs streamed per program).
+SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4,), (1, 4, 8, 16, 32)))
 
 # key: (label, storage, scale granularity)
 IMPLEMENTATIONS = {
@@ -218,9 +219,10 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
     )
     timing = TIMING["quick"]
     rows = []
-    configs = [(default.block_l, default.num_stages, default.num_warps, True)]
-    configs += [(bl, st, nw, False) for bl, st, nw in SWEEP]
-    for block_l, stages, warps, is_default in configs:
+    docs = fp8.stream_docs_per_program(shape.nd, shape.nq)
+    configs = [(default.block_l, default.num_stages, default.num_warps, docs, True)]
+    configs += [(bl, st, nw, dpp, False) for bl, st, nw, dpp in SWEEP]
+    for block_l, stages, warps, docs, is_default in configs:
         config = LaunchConfig(
             block_q=default.block_q,
             block_l=block_l,
@@ -228,6 +230,7 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
             num_warps=warps,
             num_stages=stages,
             query_group=1,
+            docs_per_program=docs,
         )
         ms, error = attempt(
             lambda config=config: bench_ms(
@@ -239,13 +242,14 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
                 "block_l": block_l,
                 "num_stages": stages,
                 "num_warps": warps,
+                "docs_per_program": docs,
                 "default": is_default,
                 "ms": ms,
                 "error": error,
             }
         )
         print(
-            f"    block_l {block_l}, stages {stages}, warps {warps}"
+            f"    block_l {block_l}, stages {stages}, warps {warps}, docs {docs}"
             f"{' (default)' if is_default else ''}: {format_ms(ms)} ms"
             f"{'' if error is None else ' ' + error}",
             flush=True,
@@ -337,13 +341,15 @@ def markdown_report(report: dict) -> str:
                 r["block_l"],
                 r["num_stages"],
                 r["num_warps"],
+                r.get("docs_per_program", ""),
                 "yes" if r["default"] else "",
                 format_ms(r["ms"]),
                 r["error"] or "",
             ]
             for r in sweep["rows"]
         ]
-        parts += [markdown_table(["block_l", "stages", "warps", "default", "ms", "error"], rows)]
+        headers = ["block_l", "stages", "warps", "docs/program", "default", "ms", "error"]
+        parts += [markdown_table(headers, rows)]
         if sweep["toml_line"]:
             parts += ["", "Fastest, as a tuning-table line:", "", f"    {sweep['toml_line']}"]
         parts += [""]

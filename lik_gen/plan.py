@@ -137,6 +137,8 @@ class RenderContext:
     score: ScorePlan | None = None
     # fp8 storage: per-token dequantization scales scale the similarities and maxima.
     scaled: bool = False
+    # Each dense forward program walks DOCS_PER_PROGRAM docs in one flat (doc, tile) loop.
+    doc_stream: bool = False
     # The doc-tile hook's call: _load_doc_tile(*doc_tile_inputs, offs_t, offs_k, d_len,
     # dim, *doc_tile_params). doc_bases names each doc tensor's first-token offset and its
     # stride prefix. Residual variants (lik_gen.plan_plaid) read PLAID's compressed tokens,
@@ -255,7 +257,7 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
 
     def sizes(kernel: str) -> list[KernelArg]:
         names = _KERNEL_SIZES[kernel].get(layout, ())
-        if kernel == "fwd" and variant.op is Op.TOPK:
+        if kernel == "fwd" and (variant.op is Op.TOPK or plan_fp8.streams_docs(variant)):
             names = ("Nq", "Nd", "Lq", "Ld")  # blocks of docs end at Nd
         return [KernelArg(s, s) for s in names + ("dim",)]
 
@@ -364,7 +366,7 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     queries, docs = shape["queries"], shape["docs"]
     pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
     element = ELEMENT_BYTES[variant.dtype]
-    if variant.op is Op.TOPK:
+    if variant.op is Op.TOPK or plan_fp8.streams_docs(variant):
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * sympy.ceiling(
             docs / DOCS_PER_PROGRAM
         )
@@ -532,7 +534,7 @@ def plan(variant: Variant):
         bwd_q_args=args["bwd_q"] if backward is Backward.LOWMEM else (),
         bwd_d_args=args["bwd_d"] if backward is Backward.LOWMEM else (),
         fwd_dynamic=("Nq", "Nd", "Lq", "Ld")
-        if variant.op is Op.TOPK
+        if variant.op is Op.TOPK or plan_fp8.streams_docs(variant)
         else _KERNEL_SIZES["fwd"][variant.layout],
         bwd_dynamic=_KERNEL_SIZES["bwd"][variant.layout],
         bwd_q_dynamic=bwd_sizes["bwd_q"].get(variant.layout, ()),
@@ -552,4 +554,5 @@ def plan(variant: Variant):
         argmax_doc=shape["argmax"],
         score=score,
         scaled=plan_fp8.is_scaled(variant),
+        doc_stream=plan_fp8.streams_docs(variant),
     )
