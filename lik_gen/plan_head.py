@@ -92,7 +92,8 @@ class HeadRenderContext:
 
 def _kernel_args(variant: Variant, has_bias: bool, save_argmax: bool) -> tuple[KernelArg, ...]:
     """Exactly what one forward kernel reads, in order, with the launcher's expressions."""
-    tensors = [KernelArg("Q", "Q"), KernelArg("H", "H"), KernelArg("W", "W")]
+    # H: the tensor, or a TMA descriptor of it (the launcher's h_operand; see H_TMA).
+    tensors = [KernelArg("Q", "Q"), KernelArg("H", "h_operand"), KernelArg("W", "W")]
     strides = (
         _strides("q", "Q", ("b", "s", "k"))
         + _strides("h", "H", ("b", "t", "m"))

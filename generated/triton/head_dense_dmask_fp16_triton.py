@@ -2,13 +2,18 @@
 # variant: head_dense_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: de8ecd1f367b271db23c032e4fb81ce573da60654d54495b506730c591ffba32
+# body-sha256: bdd8c2089d1311048d69177fba3cc4fbf9f05f2da6700ab4c4aa05a5282910ce
 
 """Projection head + MaxSim forward for head_dense_dmask_fp16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 ELEMENT_DTYPE = torch.float16
 HAS_D_MASK = True
@@ -60,6 +65,7 @@ def head_dense_dmask_fp16_triton_fwd_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -83,23 +89,33 @@ def head_dense_dmask_fp16_triton_fwd_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -161,6 +177,7 @@ def head_dense_dmask_fp16_triton_fwd_argmax_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -184,23 +201,33 @@ def head_dense_dmask_fp16_triton_fwd_argmax_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -272,6 +299,7 @@ def head_dense_dmask_fp16_triton_fwd_bias_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -295,23 +323,33 @@ def head_dense_dmask_fp16_triton_fwd_bias_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -376,6 +414,7 @@ def head_dense_dmask_fp16_triton_fwd_bias_argmax_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -399,23 +438,33 @@ def head_dense_dmask_fp16_triton_fwd_bias_argmax_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -589,6 +638,21 @@ def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     return 2 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
+def _tma_operand(H, config):
+    """A TMA descriptor of H [Nd, Ld, d_model] when the config asks for one and the copy
+    engine can address H (16-byte aligned base and strides, unit last stride), else H."""
+    element = H.element_size()
+    aligned = (
+        H.stride(2) == 1
+        and H.data_ptr() % 16 == 0
+        and (H.stride(0) * element) % 16 == 0
+        and (H.stride(1) * element) % 16 == 0
+    )
+    if not (config.tma and TensorDescriptor is not None and aligned):
+        return H, False
+    return TensorDescriptor.from_tensor(H, [1, config.block_l, config.block_m]), True
+
+
 def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     """Scores Q [Nq, Lq, d] against normalize(H W^T + b) into out [Nq, Nd] fp32; with argmax
     [Nq, Nd, Lq] (int16 or int32), each query token's winning doc token (-1: none)."""
@@ -607,10 +671,11 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     if argmax is not None:
         partial_index = torch.empty(shape, dtype=torch.int32, device=out.device)
     even_m = d_model % config.block_m == 0
+    h_operand, h_tma = _tma_operand(H, config)
     if b is None and argmax is None:
         head_dense_dmask_fp16_triton_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             d_mask,
             partial,
@@ -637,6 +702,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -646,7 +712,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     elif b is None:
         head_dense_dmask_fp16_triton_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             d_mask,
             partial,
@@ -674,6 +740,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -683,7 +750,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     elif argmax is None:
         head_dense_dmask_fp16_triton_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             b,
             d_mask,
@@ -712,6 +779,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -721,7 +789,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     else:
         head_dense_dmask_fp16_triton_fwd_bias_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             b,
             d_mask,
@@ -751,6 +819,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,

@@ -2,13 +2,18 @@
 # variant: head_dense_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 6baee4833251a34d64eacc747797449e336e0effc1489f2467d6523af44bce4e
+# body-sha256: d541651e1db37f0de896ab3c6b77e988108e87c907ceffc4730804e64056f7c6
 
 """Projection head + MaxSim forward for head_dense_dmask_fp16_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 ELEMENT_DTYPE = torch.float16
 HAS_D_MASK = True
@@ -66,6 +71,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -89,23 +95,33 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -168,6 +184,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -191,23 +208,33 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -280,6 +307,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -303,23 +331,33 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -385,6 +423,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -408,23 +447,33 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -599,6 +648,21 @@ def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     return 2 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
+def _tma_operand(H, config):
+    """A TMA descriptor of H [Nd, Ld, d_model] when the config asks for one and the copy
+    engine can address H (16-byte aligned base and strides, unit last stride), else H."""
+    element = H.element_size()
+    aligned = (
+        H.stride(2) == 1
+        and H.data_ptr() % 16 == 0
+        and (H.stride(0) * element) % 16 == 0
+        and (H.stride(1) * element) % 16 == 0
+    )
+    if not (config.tma and TensorDescriptor is not None and aligned):
+        return H, False
+    return TensorDescriptor.from_tensor(H, [1, config.block_l, config.block_m]), True
+
+
 def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     """Scores Q [Nq, Lq, d] against normalize(H W^T + b) into out [Nq, Nd] fp32; with argmax
     [Nq, Nd, Lq] (int16 or int32), each query token's winning doc token (-1: none)."""
@@ -617,10 +681,11 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     if argmax is not None:
         partial_index = torch.empty(shape, dtype=torch.int32, device=out.device)
     even_m = d_model % config.block_m == 0
+    h_operand, h_tma = _tma_operand(H, config)
     if b is None and argmax is None:
         head_dense_dmask_fp16_triton_norm_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             d_mask,
             partial,
@@ -647,6 +712,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -656,7 +722,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     elif b is None:
         head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             d_mask,
             partial,
@@ -684,6 +750,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -693,7 +760,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     elif argmax is None:
         head_dense_dmask_fp16_triton_norm_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             b,
             d_mask,
@@ -722,6 +789,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -733,7 +801,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             forward_grid(Nd, Ld, config.block_l)
         ](
             Q,
-            H,
+            h_operand,
             W,
             b,
             d_mask,
@@ -763,6 +831,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,

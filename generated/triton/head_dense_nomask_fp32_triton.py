@@ -2,13 +2,18 @@
 # variant: head_dense_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 66741348249db146f7c838fde10442f17d424e0884c8c5b5dc9bb5358d523d56
+# body-sha256: 982c0ac2023a53db4c9a780dfba365fe09b83d148744cf84f9d5bfd6b61d7f94
 
 """Projection head + MaxSim forward for head_dense_nomask_fp32_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 ELEMENT_DTYPE = torch.float32
 HAS_D_MASK = False
@@ -57,6 +62,7 @@ def head_dense_nomask_fp32_triton_fwd_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -76,23 +82,33 @@ def head_dense_nomask_fp32_triton_fwd_kernel(
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -151,6 +167,7 @@ def head_dense_nomask_fp32_triton_fwd_argmax_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -170,23 +187,33 @@ def head_dense_nomask_fp32_triton_fwd_argmax_kernel(
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -255,6 +282,7 @@ def head_dense_nomask_fp32_triton_fwd_bias_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -274,23 +302,33 @@ def head_dense_nomask_fp32_triton_fwd_bias_kernel(
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -352,6 +390,7 @@ def head_dense_nomask_fp32_triton_fwd_bias_argmax_kernel(
     BLOCK_K: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
+    H_TMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -371,23 +410,33 @@ def head_dense_nomask_fp32_triton_fwd_bias_argmax_kernel(
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). Masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
+    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
+    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
-    h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+    if not H_TMA:
+        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
-        if EVEN_M:
+        if H_TMA:
+            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+        elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
             h = tl.load(h_ptrs, mask=t_valid[:, None], other=0.0)
+        else:
+            h = tl.load(
+                h_ptrs, mask=t_valid[:, None] & ((m + offs_m) < d_model)[None, :], other=0.0
+            )
+        if EVEN_M:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         else:
             m_in = (m + offs_m) < d_model
-            h = tl.load(h_ptrs, mask=t_valid[:, None] & m_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
         proj = tl.dot(h.to(DOT_DTYPE), w.to(DOT_DTYPE), proj, input_precision=INPUT_PRECISION)
-        h_ptrs += BLOCK_M * stride_hm
+        if not H_TMA:
+            h_ptrs += BLOCK_M * stride_hm
         w_ptrs += BLOCK_M * stride_wm
 
     # Epilogue on the accumulator, in registers.
@@ -561,6 +610,21 @@ def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     return 4 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
+def _tma_operand(H, config):
+    """A TMA descriptor of H [Nd, Ld, d_model] when the config asks for one and the copy
+    engine can address H (16-byte aligned base and strides, unit last stride), else H."""
+    element = H.element_size()
+    aligned = (
+        H.stride(2) == 1
+        and H.data_ptr() % 16 == 0
+        and (H.stride(0) * element) % 16 == 0
+        and (H.stride(1) * element) % 16 == 0
+    )
+    if not (config.tma and TensorDescriptor is not None and aligned):
+        return H, False
+    return TensorDescriptor.from_tensor(H, [1, config.block_l, config.block_m]), True
+
+
 def launch(out, Q, H, W, *, b=None, argmax=None, config):
     """Scores Q [Nq, Lq, d] against normalize(H W^T + b) into out [Nq, Nd] fp32; with argmax
     [Nq, Nd, Lq] (int16 or int32), each query token's winning doc token (-1: none)."""
@@ -579,10 +643,11 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     if argmax is not None:
         partial_index = torch.empty(shape, dtype=torch.int32, device=out.device)
     even_m = d_model % config.block_m == 0
+    h_operand, h_tma = _tma_operand(H, config)
     if b is None and argmax is None:
         head_dense_nomask_fp32_triton_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             partial,
             Nq,
@@ -606,6 +671,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -615,7 +681,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     elif b is None:
         head_dense_nomask_fp32_triton_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             partial,
             partial_index,
@@ -640,6 +706,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -649,7 +716,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     elif argmax is None:
         head_dense_nomask_fp32_triton_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             b,
             partial,
@@ -675,6 +742,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -684,7 +752,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     else:
         head_dense_nomask_fp32_triton_fwd_bias_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
-            H,
+            h_operand,
             W,
             b,
             partial,
@@ -711,6 +779,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             BLOCK_K=config.block_k,
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
+            H_TMA=h_tma,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
