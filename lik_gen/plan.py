@@ -257,7 +257,7 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
 
     def sizes(kernel: str) -> list[KernelArg]:
         names = _KERNEL_SIZES[kernel].get(layout, ())
-        if kernel == "fwd" and (variant.op is Op.TOPK or plan_fp8.streams_docs(variant)):
+        if kernel == "fwd" and (variant.op is Op.TOPK or streams_docs(variant)):
             names = ("Nq", "Nd", "Lq", "Ld")  # blocks of docs end at Nd
         return [KernelArg(s, s) for s in names + ("dim",)]
 
@@ -361,12 +361,33 @@ def _recompute_args(variant, weights, tau, saved, saved_strides):
     }  # fmt: skip
 
 
+def streams_docs(variant: Variant) -> bool:
+    """Whether each forward program walks a block of docs in one flat (doc, tile) loop:
+    dense inference with the plain max (no argmax to save, no token-score hook).
+
+    Short docs are one or two tiles (a 128-token corpus doc, a 256-token fp8 rerank doc):
+    with one program per doc the load pipeline never fills and every program reloads its
+    query tile. Streaming DOCS_PER_PROGRAM docs keeps the next doc's tiles in flight.
+    """
+    # fp8 docs do not gain: on an H200 (Nq 1, Nd 8192, Ld 256) one doc per program ran
+    # 0.104 ms and blocks of 4-32 docs 0.108-0.124 ms (benchmarks/bench_fp8.py sweep).
+    return (
+        variant.op is Op.MAXSIM
+        and not plan_fp8.is_scaled(variant)
+        and variant.layout is Layout.DENSE
+        and variant.backward is Backward.NONE
+        and variant.score is Score.MAX
+        and variant.decompression is Decompression.NONE
+        and variant.target is Target.TRITON
+    )
+
+
 def _formulas(variant: Variant) -> tuple[Formula, ...]:
     shape = _LAYOUT[variant.layout]
     queries, docs = shape["queries"], shape["docs"]
     pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
     element = ELEMENT_BYTES[variant.dtype]
-    if variant.op is Op.TOPK or plan_fp8.streams_docs(variant):
+    if variant.op is Op.TOPK or streams_docs(variant):
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * sympy.ceiling(
             docs / DOCS_PER_PROGRAM
         )
@@ -534,7 +555,7 @@ def plan(variant: Variant):
         bwd_q_args=args["bwd_q"] if backward is Backward.LOWMEM else (),
         bwd_d_args=args["bwd_d"] if backward is Backward.LOWMEM else (),
         fwd_dynamic=("Nq", "Nd", "Lq", "Ld")
-        if variant.op is Op.TOPK or plan_fp8.streams_docs(variant)
+        if variant.op is Op.TOPK or streams_docs(variant)
         else _KERNEL_SIZES["fwd"][variant.layout],
         bwd_dynamic=_KERNEL_SIZES["bwd"][variant.layout],
         bwd_q_dynamic=bwd_sizes["bwd_q"].get(variant.layout, ()),
@@ -554,5 +575,5 @@ def plan(variant: Variant):
         argmax_doc=shape["argmax"],
         score=score,
         scaled=plan_fp8.is_scaled(variant),
-        doc_stream=plan_fp8.streams_docs(variant),
+        doc_stream=streams_docs(variant),
     )

@@ -25,16 +25,6 @@ def is_scaled(variant: Variant) -> bool:
     return variant.dtype in SCALED_DTYPES
 
 
-def streams_docs(variant: Variant) -> bool:
-    """Whether each forward program walks a block of docs in one flat (doc, tile) loop.
-
-    An fp8 rerank doc (256 tokens x 128 B) is two tiles: with one program per doc the
-    load pipeline never fills. Streaming DOCS_PER_PROGRAM docs through one loop keeps the
-    next doc's tiles in flight behind this doc's math.
-    """
-    return is_scaled(variant)
-
-
 def unsupported(variant: Variant) -> str | None:
     """Why the scaled kernel cannot serve this fp8 variant, or None when it can."""
     if not is_scaled(variant):

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from lik.runtime import api, dispatch, metal, registry, validate
-from lik.runtime.keys import next_power_of_two, variant_name
+from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_fp8_reference
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -39,10 +39,6 @@ SCALE_DTYPES = QUANTIZE_DTYPES
 # The bf16 fallback dequantizes the docs this many elements at a time, so its fp32
 # scratch stays bounded (256 MB) whatever the corpus size.
 DEQUANTIZE_BLOCK_ELEMENTS = 1 << 26
-# The fp8 forward streams a block of docs through each program (lik_gen.plan_fp8); blocks
-# are sized for about this many programs (a few per SM), within these bounds.
-STREAM_TARGET_PROGRAMS = 1024
-STREAM_DOCS_PER_PROGRAM = (1, 64)
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
 _D_DOC = "[Nd, Ld, d] or [Ld, d]"
@@ -194,14 +190,6 @@ def _per_token(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return scale.reshape(shape)
 
 
-def stream_docs_per_program(nd: int, groups: int) -> int:
-    """Docs per program of the streamed forward: a power of two giving about
-    STREAM_TARGET_PROGRAMS programs for nd docs and `groups` query groups."""
-    low, high = STREAM_DOCS_PER_PROGRAM
-    wanted = -(-nd * groups // STREAM_TARGET_PROGRAMS)
-    return min(high, max(low, next_power_of_two(wanted)))
-
-
 def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
     """Scores into out [Nq, Nd] (fp32) with the generated fp8 kernel: Q [Nq, Lq, d],
     D [Nd, Ld, d] (Lq, Ld > 0), per-token scale views [Nq, Lq] and [Nd, Ld]."""
@@ -215,12 +203,10 @@ def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
     lq = Q.shape[1]
     # Queries longer than one launch's tile are scored in chunks whose sums add exactly.
     for start, stop in dispatch._chunks(lq):
-        config = dispatch._config(name, module, Q, stop - start, out.numel())
+        config = dispatch._config(name, module, Q, stop - start, out.numel(), docs=D.shape[0],
+                                  doc_tokens=D.shape[1])  # fmt: skip
         if config.block_k < FP8_MIN_BLOCK_K:
             config = dataclasses.replace(config, block_k=FP8_MIN_BLOCK_K)
-        groups = -(-Q.shape[0] // config.query_group)
-        docs = stream_docs_per_program(D.shape[0], groups)
-        config = dataclasses.replace(config, docs_per_program=docs)
         whole = stop - start == lq
         if q_mask is not None:
             masks["q_mask"] = q_mask if whole else q_mask[:, start:stop]

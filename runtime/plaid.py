@@ -161,7 +161,9 @@ def _query_chunks(lq: int):
 
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):
-    config = dispatch._config(name, module, Q, lq, out.numel())
+    codes = args[1]  # [B, max_Ld] (dense) or packed: streaming applies to the dense kernel
+    config = dispatch._config(name, module, Q, lq, out.numel(), docs=out.shape[-1],
+                              doc_tokens=codes.shape[-1])  # fmt: skip
     _, fitted = dispatch._launch(module.launch, config, out, *args, **kwargs)
     if fitted is not config:
         dispatch._remember(config, fitted)

@@ -155,7 +155,7 @@ def test_kernel_matches_reference(mask, scales):
 def test_streamed_doc_blocks(monkeypatch, docs_per_program):
     # Several docs per program, each over two tiles (Ld 37), and a last block that runs
     # past Nd = 7 (with 4 and 16): no score may be lost, doubled or written out of range.
-    monkeypatch.setattr(fp8, "stream_docs_per_program", lambda nd, groups: docs_per_program)
+    monkeypatch.setattr(dispatch, "stream_docs_per_program", lambda nd, groups: docs_per_program)
     Q8, D8, sq, sd, q_mask, d_mask, ref = _case(3, 7, 5, 37, 32, "token", "tensor", "qd", seed=4)
     out = poisoned((3, 7), DEVICE)
     sq_view, sd_view = fp8._per_token(sq, Q8.shape[:-1]), fp8._per_token(sd, D8.shape[:-1])
@@ -164,9 +164,9 @@ def test_streamed_doc_blocks(monkeypatch, docs_per_program):
 
 
 def test_stream_block_size_targets_a_program_count():
-    assert fp8.stream_docs_per_program(8192, 1) == 8  # 1024 programs
-    assert fp8.stream_docs_per_program(10, 1) == 1
-    assert fp8.stream_docs_per_program(10**7, 4) == 64  # capped
+    assert dispatch.stream_docs_per_program(8192, 1) == 8  # 1024 programs
+    assert dispatch.stream_docs_per_program(10, 1) == 1
+    assert dispatch.stream_docs_per_program(10**7, 4) == 64  # capped
 
 
 EDGE_SHAPES = {  # (Nq, Nd, Lq, Ld, d)

@@ -57,6 +57,22 @@ def test_variant_matches_reference(name):
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
 
+@pytest.mark.parametrize("docs_per_program", [2, 8])
+@pytest.mark.parametrize(
+    "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]
+)
+def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
+    # Dense inference streams blocks of docs per program: blocks of 2 and 8 over Nd = 7
+    # docs (the last block runs past Nd), each two tiles long (Ld 37), 5 queries in groups.
+    monkeypatch.setattr(dispatch, "stream_docs_per_program", lambda nd, groups: docs_per_program)
+    variant = Variant.parse(name)
+    Q, D, q_mask, d_mask, shape, ref = _case(
+        variant, 5, 7, 7, 37, 48, torch.Generator().manual_seed(5)
+    )
+    out = _run(variant, Q, D, q_mask, d_mask, shape)
+    assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
+
+
 EDGE_SHAPES = {
     "Lq=1": (2, 3, 1, 19, 48),
     "Ld=1": (2, 3, 5, 1, 48),

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_bf16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 439382571e014b58aca6700e50c37e8967b2ffc372cc7cd1b2abc015ddb1077b
+# body-sha256: 1718ba3dece5c3564b9d863e967e31416e0423f3695641c87fd2211a99c5d3e5
 
 """MaxSim forward for maxsim_dense_dmask_bf16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: c68687d987df033a748c5b3562d7402ff292506bae0be33986a4160806e8ecd2
+# body-sha256: bc54e3c764e092e20b025e6f1d63e90c62b2cccf7414d6e854ef01e912d56750
 
 """MaxSim forward for maxsim_dense_dmask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

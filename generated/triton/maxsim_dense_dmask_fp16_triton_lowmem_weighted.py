@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 1965e026d03571a14faa4e2a37722a9904c09409d171721ec3649560e6449cc9
+# body-sha256: 41aff9f18b2b29abbb4a053901b97b648ae780cead37c49281b66f94b6fd74b8
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: b4c0b455fbf4945dadff334abc30e86bfa3076143a5950712c2b8185c4c7d6b6
+# body-sha256: 561d7250a5a6beae2fc0641d85a95e477b1b022782f316e083541e6685f8e196
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

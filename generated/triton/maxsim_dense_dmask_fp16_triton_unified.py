@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4dba4289ace97c59fe3040634f9a25b0658e32211c1fd99428118172d2ff8834
+# body-sha256: 88bfa59a3a26da2fa0edb0565820f83cb65870e00d03dea76d3d57cce3c029b8
 
 """MaxSim training (unified backward) for maxsim_dense_dmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

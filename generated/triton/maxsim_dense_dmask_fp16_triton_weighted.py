@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: fc4e8a708caf3e6be5e3d5f26932d72e76ba0ddf2c6d9c641fe8c388a7239c5b
+# body-sha256: aad35f456f28fcf45ab90960287a816228ead0e22f8d4c3348ca91c841c7f0f3
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c7d90b055340d3044bf3ea0bb897db64f01b35a784bb311c79115b1e96716e6b
+# body-sha256: ef082122c4aa4e9fa6f23290bd161182136bfabfc3febcf9870dcca2fe4ec127
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

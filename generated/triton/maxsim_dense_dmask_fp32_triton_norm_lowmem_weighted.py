@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: d726ffe950ff14d8b2e4eec0470b77ec3a9f7cc6308f846131002cf48aedb8c1
+# body-sha256: 1491ad044cf0c95deff3047629e62cee3265a08d95105307fc73fdbaad73c8ec
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp32_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 6b0993faf0379cfa687cd2802d732304523b36f47ac41ffa7331707cb7a4a09f
+# body-sha256: 3c527bf2ee988f07a00499c40b3e73eb67c16e7dcef541f4549ad758f9c11df5
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

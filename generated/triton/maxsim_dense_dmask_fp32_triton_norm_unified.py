@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c14b70b5e5f50a19849a97d489535a68d7bd921f236ff479ac721eb23932b18d
+# body-sha256: bb00543867c11675eb336daa953d772800b957a1f450c7e71806b7d8d1b5e9fb
 
 """MaxSim training (unified backward) for maxsim_dense_dmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: a6ea95bc6bd943e0a2c567714c84e8f676375a63f29d0b5b54270c3553271f37
+# body-sha256: 41a787bd92175a0fb811120f09fa7b3fb2b3f7d1cb1a091ca2b802cd184d8d1a
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: a4b53900edbf3e804f187fef3dbff21f804a81a3b45884d8c59344080b13c397
+# body-sha256: ca3e5418ec0ed2dfca9e9aafc5773a698d04ef2e20f5df6e2848de7d7ee66cd1
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

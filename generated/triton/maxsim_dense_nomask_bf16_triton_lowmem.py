@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a8da37136ed7cd4434d6f20bfe8c817bc42e0737b8fd0ef32afa51ac7574a365
+# body-sha256: 85cc07c245f3cd7ad0103498a9783326e302f76abbcc5d46242170830033da17
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

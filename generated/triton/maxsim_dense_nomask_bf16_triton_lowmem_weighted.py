@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: a9671a16c961bbb7b2d2939617fca57c3d09820f3b96a8969b0d4843d52e5ed5
+# body-sha256: 2f6d7b9f387dde4b14fb094a022da68c2e7d524dd0e90610a84ae30335d39e97
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 6bd46126c1f1ae17884c785351d3987c76e64da58271f45ad89e9953fa9fbebc
+# body-sha256: 9822a7869873fed5764ac7be95e5853fe6ac0aa24e9a5a61f8408cce9a59acbb
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

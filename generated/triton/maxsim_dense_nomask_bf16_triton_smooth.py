@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 685d95a8e9a407e7483b85532e2d76cbdb179ed2c44fc88b3e84d0b3f5c1dde7
+# body-sha256: 107d28ddb00b97370f50cb59add7b5c071b5aa206ded846c5b6425b5cf055580
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2d91176345bf22dcfe0aede11f79df1e53b07658432964e713e1bc9052145295
+# body-sha256: f67a8afb56ebd8507c447edb7769b7628f350e0394a4dcefaae3180d2609df4d
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 2dfe6424067964f701ecfd5902edeb9275f7889cdf99e50d72afcd085ac7e5df
+# body-sha256: f07def26abf57a5d4fe793e16a080640176d9c3949e7b640f2facd15096948b1
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9432df9738dbefcf1205a0cc4f69aafa56a1124cf9ba0bbb3be5e7aa8a6e9da9
+# body-sha256: cad815b8fdfc07ed1eedd67cfd929b8e5b9d67e40ae17f34f77bb3c2467bb112
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

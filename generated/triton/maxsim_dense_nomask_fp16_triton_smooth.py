@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 31bfabd3d3570c4d2c0fd7e9ea645d9eeed3ac892b3f81ce6352d55732c150c7
+# body-sha256: 7340f5b96925cca27719b17dbd47119be6207812fa382cccdb3e45cfc51cbd1b
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 9dc7bcd1c96f2747f9c3f3127ea417f03b2522cf68727e6aece7c1ea1501ee7d
+# body-sha256: 8973611ac773f8b98803fab0ca25ed63e1add77b2bd51f9085fe1d0262d443a2
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

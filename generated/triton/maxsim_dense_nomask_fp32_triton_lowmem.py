@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e6582c74a9213a57fbc080a833503ecc6fb332386b368b6efdca87fd00c54af2
+# body-sha256: b99ecfb4a001822214b1af91748f4f367854dd74f320a23585d3e79f1f30ca8d
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: e65a7413d9da1df1bac616f543de53abfe833ea7c2b8bb0b97548e1e3d327a6d
+# body-sha256: e823343404f4e1356984d200f31529c4612c8ba0be9bea9e4282192005400a63
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp32_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

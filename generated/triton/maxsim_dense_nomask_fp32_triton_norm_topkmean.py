@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: abf367bb176193284050aabfc9cefdcb43b1942f32d2094284d572bf2d1d332c
+# body-sha256: 43a3b543fc265c7f4dcc7c52f9bb293a8e3cee9d04d2d8aa140513f724c2974a
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

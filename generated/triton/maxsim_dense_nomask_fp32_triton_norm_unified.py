@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: dfa6ee49342196c6f3bd48b12df95c4308df386ee2268cd1ef7bdbc06105f703
+# body-sha256: 8230f62319e96e01f18dd8a9f2b7eeeca0ae79a1e080271d5748b453b5ea5ef9
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 86f2bd81449e6840cd055f827c723e8e5fdd41ad3467b58fe7be683fcd1bf442
+# body-sha256: 81337fb3f226053d04693c05e6c6a9d4aa7bf18c4768a8cde79540a893be2ba8
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

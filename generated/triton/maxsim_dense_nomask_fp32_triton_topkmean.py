@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 7c07f46d3c5d6225d211802dfd34b15e89413bb2d2dc7ec22dff02c8aad06008
+# body-sha256: 359bb4d02aa4260ff7057659a8efe91df9a3db387a8fdb638ddbd7411a2791ec
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 658945a22ac10cfa22728cae8464840b513c721e749f5c035749cfdd4519a42c
+# body-sha256: 21c2da9cc64a6b661e2b6b36e27d0c70de1781b8bc02fdf5138a11fc84953726
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: fbd241e44e07f360e8dd3649ddd9511199d50f399d4ec46a0ffe1cced62a837b
+# body-sha256: 50f192aa0926573ea72448d18ebb09d6089697a016d20bfa8223cc1a4e6e17dc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_bf16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

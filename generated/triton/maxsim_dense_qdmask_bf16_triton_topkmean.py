@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: e86ef29666a76d46f1b31a93689d5cac7dd9a24cdcca42c41baf8b90cc7ac1e3
+# body-sha256: 59adb0aa5ee8c54e344f353f0d84a49188770ae7848eff49675769305848a23e
 
 """MaxSim forward for maxsim_dense_qdmask_bf16_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: bb9316513c0fb92c95e6e3a83bcc656f4d24a42af6840a767abb9d66423727fa
+# body-sha256: 9f5998e5fa12c4b6f6485d4769563d791c86fdfe2603a0d748f2f72c493627ac
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

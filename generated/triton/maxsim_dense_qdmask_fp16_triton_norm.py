@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 837034bc55f6cbf0d060b39a07b68c53597bce5634cf11f774a762587d137d42
+# body-sha256: 26a66ba7c384a32b85505516f0964cc86fc4a7977b6fc4e60960460639cb0990
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
-@triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel(
     Q,
     D,
@@ -46,6 +47,7 @@ def maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel(
     d_mask,
     Out,
     Nq,
+    Nd,
     Lq,
     Ld,
     dim,
@@ -67,6 +69,7 @@ def maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
+    DOCS_PER_PROGRAM: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -75,15 +78,12 @@ def maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel(
     # tensor-core tile is QUERY_GROUP times taller than one query's tokens.
     groups = tl.cdiv(Nq, QUERY_GROUP)
     group = pid % groups  # groups vary fastest: programs that run together share a doc in L2
-    doc = pid // groups
+    doc_block = pid // groups
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
     query = group * QUERY_GROUP + rows // BLOCK_Q  # one query index per row
     offs_s = rows % BLOCK_Q
     q_base = query * stride_qb
     q_len = Lq
-
-    d_len = Ld
-    d_base = doc * stride_db
 
     q_in_range = (offs_s < q_len) & (query < Nq)
     offs_k = tl.arange(0, BLOCK_K)
@@ -97,28 +97,77 @@ def maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel(
     )
     q_scale = _inv_l2_norm(q.to(tl.float32))
     q = q.to(DOT_DTYPE)
-    d_mask_base = doc * stride_dmb
-
-    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for start in range(0, d_len, BLOCK_L):
-        offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-        sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < d_len) & (
-            tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
-        )
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
-
-    best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
-    best = tl.where(scored, best, 0.0)
-    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
-    tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
+    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    if DOCS_PER_PROGRAM == 1:
+        # Docs of several tiles: one program per (group, doc), its tiles in one loop.
+        doc = doc_block
+        d_len = Ld
+        d_base = doc * stride_db
+
+        d_mask_base = doc * stride_dmb
+
+        for start in range(0, d_len, BLOCK_L):
+            offs_t = start + tl.arange(0, BLOCK_L)
+            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+            t_valid = (offs_t < d_len) & (
+                tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0)
+                != 0
+            )
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+        final = best * q_scale
+        final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+        scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
+
+        tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
+    else:
+        # Docs of one or two tiles stream through one flat loop over (doc, tile), so the
+        # next doc's tiles load while this one is scored, and the query tile is loaded
+        # once per DOCS_PER_PROGRAM docs.
+        tiles = tl.cdiv(Ld, BLOCK_L)
+        for step in range(0, DOCS_PER_PROGRAM * tiles):
+            n = step // tiles
+            start = tl.cast((step - n * tiles) * BLOCK_L, tl.int64)  # offsets are 64-bit
+            doc = doc_block * DOCS_PER_PROGRAM + n
+            doc_ok = doc < Nd
+            doc = tl.minimum(doc, Nd - 1)  # past the last doc: read a valid one, store nothing
+            d_len = Ld
+            d_base = doc * stride_db
+
+            d_mask_base = doc * stride_dmb
+
+            offs_t = start + tl.arange(0, BLOCK_L)
+            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+            t_valid = (offs_t < d_len) & (
+                tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0)
+                != 0
+            )
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+            # After a doc's last tile: its scores, then a fresh running max for the next doc.
+            last = (start + BLOCK_L) >= Ld
+            final = best * q_scale
+            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
+
+            # Stored only after the doc's last tile, and never past the last doc: both as a
+            # row bound (the interpreter rejects a vector mask combined with scalar bools).
+            rows_to_store = tl.where(doc_ok & last, Nq, 0)
+            tl.store(
+                Out + group_queries * stride_ob + doc * stride_oc,
+                scores,
+                mask=group_queries < rows_to_store,
+            )
+            best = tl.where(last, float("-inf"), best)
 
 
 def cdiv(a, b):
@@ -131,9 +180,9 @@ def _dot_config(config):
     return tl.float16, "ieee"
 
 
-def forward_grid(Nq, Nd, QUERY_GROUP):
-    """Programs of the forward: one per (group of queries, document)."""
-    return (Nd * cdiv(Nq, QUERY_GROUP),)
+def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM):
+    """Programs of the forward: one per (group of queries, block of documents)."""
+    return (cdiv(Nd, DOCS_PER_PROGRAM) * cdiv(Nq, QUERY_GROUP),)
 
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
@@ -149,13 +198,16 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
-    maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
+    maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel[
+        forward_grid(Nq, Nd, config.query_group, config.docs_per_program)
+    ](
         Q,
         D,
         q_mask,
         d_mask,
         out,
         Nq,
+        Nd,
         Lq,
         Ld,
         dim,
@@ -179,6 +231,7 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
+        DOCS_PER_PROGRAM=config.docs_per_program,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9b38137635c325fa230f8f1219bb2b334862d64cae3af9595230d0f6706439c5
+# body-sha256: a78b9b15bee4d4dd089fa5ccbb77bc952935cd10f8fb1d66260b929a88c98951
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

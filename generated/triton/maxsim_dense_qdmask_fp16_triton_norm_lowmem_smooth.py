@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 1d948f6742137bbd94fbf7e6e564ce02920c01061bbae47b9ad07c80c58f1fd9
+# body-sha256: 319ae2b3d6b3302177e05d3002f4c8b125555358f0011bd0fe8803ffaf2d61bc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 74bbd8cbcaa117ad78e027f23d6dab7c95e71d4bb9c1ec54b8eb9a9e1e56081d
+# body-sha256: b54450372f3ddb8f7230934620d5ac94b98bdc546d0f8df995cfdd7382adeeac
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7bda5220def999d6c60ad5844fb59edfd3a7417527b866f90d4a3bf9ee6670c1
+# body-sha256: c8ee6ce632695a0006b83b59846db0e5267af413b277595562a8346fe3f2bbea
 
 """MaxSim training (unified backward) for maxsim_dense_qdmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

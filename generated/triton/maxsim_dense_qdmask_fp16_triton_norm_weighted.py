@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 68f0a01af1e78e227754cddf7f4a3ff10d78bc7c791265cbef1113d553820466
+# body-sha256: e8f03a60de2edc37aaad3eeb37f6cbff853a08b999c8ffe96f392ead6e2b9a90
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

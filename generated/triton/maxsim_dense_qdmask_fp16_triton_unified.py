@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c9dcffacce9a8a098cfa1bf2e010a79302a46eeaefd4f20dcfb42a89aac0672e
+# body-sha256: e063e4e64d48b245ae3f12014b43c1f67a36be0cc1a81cff739f5a1214142cae
 
 """MaxSim training (unified backward) for maxsim_dense_qdmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

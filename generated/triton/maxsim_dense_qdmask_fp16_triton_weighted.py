@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 28af1f641f0aaaa7d651dd7526b84a57ff28867beded168a44ba8d295f300b81
+# body-sha256: 747335e7b8550d7ad5034dea322d06ecca2888870cb1df4fac465f1eb8ef2a47
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: a57433a9f3caa599e57874fd4510ca68c7b3ba6565296be055b1fe0a8b6b642a
+# body-sha256: 6134d0e4594fc70610af5ed99be55eb452251779752514197b511bf2fe3c6dcc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp32_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

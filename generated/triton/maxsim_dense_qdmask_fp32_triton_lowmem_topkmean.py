@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d241cef818a6266cec8c9a6e7fa64eda1cdfa0baccf7e548255b54c1a2544810
+# body-sha256: f0fb1e53a82fb3666fcb0c420045a529696bad089bc1da76479353be303dad10
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp32_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

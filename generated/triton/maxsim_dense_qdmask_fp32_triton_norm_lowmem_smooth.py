@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: bb5bc7ca503faf68e05764fba98cdf487b4cdbda0a28850ba6d7b5802993fb1f
+# body-sha256: 5e148ceac3d65dab967077cfcae1ca2671fbcb080ec6cb24bfb72a50d3496540
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp32_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

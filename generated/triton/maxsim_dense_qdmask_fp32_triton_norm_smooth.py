@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 50a9f41140ed4ec425433d69c79a9dfbdfd222e7d15b613a6af79c182a827f9b
+# body-sha256: 6e979c8622b803fb1df8a2d310d766365818759c07ff2297743339eabde0be66
 
 """MaxSim forward for maxsim_dense_qdmask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 17f470a94320cb11485692b9c189548a344bb16ee242d1db5d8c907c0ab379e7
+# body-sha256: 49b593ddafd6004e2f8b05560e6be444d40a5ffcca8246713d949b625784cd4e
 
 """MaxSim forward for maxsim_dense_qdmask_fp32_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

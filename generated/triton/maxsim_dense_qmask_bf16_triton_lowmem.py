@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1cd91e0f6a3b5caa19de9d13e0ced889fce2e2a785758e14e09050b939849ccb
+# body-sha256: 48eb55c1b13733b29945a9d9634b5b7961b1f294a58eda796834cd5a50c08d6a
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 8972dd24f7ddda40c314a5bbed321bf2a2ffa42b9f11ba1124cccec70befd994
+# body-sha256: a3f13378db1fd75815039e4191fc0fcfd16f3a0e7b01999bc941eb40c728af54
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

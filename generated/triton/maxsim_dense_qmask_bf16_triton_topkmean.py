@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: a910b94448487810050d94f2f5baca03b4bc117748fdb521d41df17f8e371cbb
+# body-sha256: 1dcb709620fa7be84b9f73d51470ca4d646bc99f34d6a8582c85d794705bf35a
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

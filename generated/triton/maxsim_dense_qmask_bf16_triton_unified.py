@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1720622a1c92244c2ab80c4af8c55a2d788bafec803623c0b4d55aeb975c8a7a
+# body-sha256: 97636b0d1cb10e4b3663527e9bb3e6020f639cf112dfcb6090860099c20eae85
 
 """MaxSim training (unified backward) for maxsim_dense_qmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: c207d068728710b17deafb5c2e188ac8434f6a74f385ede99e3a6335a4fd4675
+# body-sha256: ce068e6e21a2a9cf7ae854f2a68eef3b5d2c40474eaf34549d1ea026fb77dafa
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: eb731627a342a444966ed6f30f602e7d68ddb2f0d02e54e227a580a57adde445
+# body-sha256: f4108be6f45d5e1a2d9ffdc598ec25ab1659b477f36a0888e5de31a1062c8a09
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

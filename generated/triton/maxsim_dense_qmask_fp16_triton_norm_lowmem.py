@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 052deaad0e557a6dd18d5c49510e3a3736949a7b1d361f4a598ec3b50a303d7f
+# body-sha256: 22e2ed8cebd16fcc6807ceb0d3f8305605fdabab91a6a53190b10fc64275e31e
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

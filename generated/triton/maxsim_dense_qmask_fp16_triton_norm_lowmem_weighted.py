@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: a75ac55f82c74fb8468a99790aceac7e5991eb89128dbf83fd44727bd4da6b07
+# body-sha256: cd093dc093e2d7a13b9053aea08bf1da2185bcaa3ac5d18c6031b785bc94af7e
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

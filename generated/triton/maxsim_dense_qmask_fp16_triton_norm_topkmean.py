@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: deefb31bd09e355d2d245a022d834d5fae55dd7791d3dd3185cb445d4d7c1f82
+# body-sha256: 683f94472906d41bcc6702402aa2c294de8b4e00d5f111c81f32508bdd70bd49
 
 """MaxSim forward for maxsim_dense_qmask_fp16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

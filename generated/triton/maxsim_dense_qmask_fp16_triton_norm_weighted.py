@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: cc7fcfbe502a7d02a29c83ef79364e444e1b10164c6e1febb98f79320451dd7c
+# body-sha256: 56aec45eb0d4fba42f417d9db69d61e4f4c8bd93caaf2245bb1575969c2241f5
 
 """MaxSim forward for maxsim_dense_qmask_fp16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1590ded47bab5e98a3a0a0b5007a4ec86a08f421c46b2ab2ee5314e6faeef229
+# body-sha256: 32bae39ef59c39f9db7a702d2acda795bd58f478b9e8fa92adfd5dda52f05ccc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 857d99d68895b330a444b9a7504e004b912da5396418e30f2b4db193bde12f11
+# body-sha256: 1777c5877a27c09789d76d50bb11faf226208788154e8129eff52c4cebab20fc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cc6efb88b6edfcd44125251fc844ea0f8c01b5125d02f81ced71394a55547241
+# body-sha256: 675bde63dfdaed8a95f5ff8f464fdb454ed37209f37efa932b5cd27d860428e1
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

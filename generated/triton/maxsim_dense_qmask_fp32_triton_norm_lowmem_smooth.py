@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 5a5bbb0d0522bd58f679ab191c83b516118d2e0713da9bf28436379adfbd271b
+# body-sha256: 8a108eaf2c2a6523f8ce61c689396ddebbdd81b7f9162e25a83e4955135ea1db
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 3e8ff906350a466884c904e430dcde84b2536429fde10fb5071705b0d314631b
+# body-sha256: 8c916dea701d26ad7d480c5a090753cd8874ecfcb6161228b7698121745837f5
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: f30230ae8fe90efa9643953c0f91d2079357530ca62de50acd0f13ef39a61696
+# body-sha256: 68f42817e2f55da7075d7da91867687bb5bee561d62cab6be8fa520481224c0e
 
 """MaxSim forward for maxsim_dense_qmask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: b63f88df9728459004873f2cd7bd6d1e4bfbe24aeaa6299c691cef3b02ac06a7
+# body-sha256: a86038dcb8000fa43e05d4f5f12ea1dd3086afcaaa2aa47f57b691dac798bad0
 
 """MaxSim forward for maxsim_dense_qmask_fp32_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

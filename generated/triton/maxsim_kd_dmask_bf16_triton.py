@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 315fb7709c2e84c77a6d034a99f39aa0d63092e08b016c86293a71bc4cf36127
+# body-sha256: ddebd9786326996fe5b6152dcb9b36744a8f641bc5758c73cb89276e95cd474c
 
 """MaxSim forward for maxsim_kd_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

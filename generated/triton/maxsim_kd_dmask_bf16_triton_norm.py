@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 13656fc4a05b6f07c21bff8c73ab217f946d54f77352f9d7471f11b559e18d7a
+# body-sha256: 31aee5cea206b9c7fc13b80514ec41b335f98e7cb26760b27d93a5e36d34f454
 
 """MaxSim forward for maxsim_kd_dmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 703aeb7f278b4c09aa5d0a90f8b86b13e7f6f16a6350c9dad2f948eaaea5dbe6
+# body-sha256: c2f9c9d8100c217bad0493fb5c34de93e345569475ed5351daaa0e74a696ffb1
 
 """MaxSim forward for maxsim_kd_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

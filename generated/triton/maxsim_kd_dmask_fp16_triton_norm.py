@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a62fd0c045ae23002dbd7741dd01579a8f7c4249d74d8187913baca4a08dd57e
+# body-sha256: a51974c8feb3a0defd1cc8cb36332b3596d6db2a6c7d0357f503cf6eb64cf752
 
 """MaxSim forward for maxsim_kd_dmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

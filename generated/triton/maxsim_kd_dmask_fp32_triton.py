@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2784c8b7ce41b92c594ffce12b7937cf4fbd57402b765a4d62d3b2021bd8f0c2
+# body-sha256: b8a917b461863d380fd8f96691c82f4b53fee352e604972d09093c41c37c0d07
 
 """MaxSim forward for maxsim_kd_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7d530b9b8b159e59723248cf4612fc13ae28c9c096ee6fc0c3053e3c6fd2128f
+# body-sha256: d12be253d3cc53a19afa31db53f677d8d67e1388f424d06ea61bdb04c7be6e7f
 
 """MaxSim training (lowmem backward) for maxsim_kd_dmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

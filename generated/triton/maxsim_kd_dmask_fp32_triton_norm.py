@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 68b62086253bd0b3cbae0c0bae42eea096672801d6aa4c4229b09fcb79fbed16
+# body-sha256: 424e041e4f892b0734a62a1d3f3c36750d956dd01bc4a25fb1d18e193dc0cd64
 
 """MaxSim forward for maxsim_kd_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2a416bbdc195320ced11b7e1fc04ff80d5b908ed7c00f48b8b9b75cdb08147a6
+# body-sha256: 163ef982c4639ac91992a7f75e9c776c61abe275c4178da75e7af21322aa4195
 
 """MaxSim training (lowmem backward) for maxsim_kd_dmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e921844039f7dcc694a96b83eacbde8e4e6a376d97979b65c347847baed7aa87
+# body-sha256: 6c4507774e9bdf49d3c79e9e0963389e37861bb17e6afc37fc017f6b8ac0c134
 
 """MaxSim forward for maxsim_kd_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

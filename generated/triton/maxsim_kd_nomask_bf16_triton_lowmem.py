@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d9b3d05ebd1b27d18ee40e1af35236ddaa317de3ff610a8e5a3cd7b20697eaf7
+# body-sha256: 96454f6c4b1bf3f78ffbbe1b3029017ec675ea4c372cc19469bd9bf371f71a1d
 
 """MaxSim training (lowmem backward) for maxsim_kd_nomask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 49e6b233595c70cd2fde5cd668ebafecf33e98bc325adf5ffa1d3eca6f43109c
+# body-sha256: 1e360b2ac5dc99cb951760ac6caa3f84bf2cb0c3cc5391c4fdc67650633ef960
 
 """MaxSim training (lowmem backward) for maxsim_kd_nomask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

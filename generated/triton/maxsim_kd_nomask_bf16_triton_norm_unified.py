@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a1bcaed86d03babf20a7dbf8d2ed263c4c4d94e8771cc97c2c9492099f8a1db1
+# body-sha256: d9cabd6bae33cd512b120971af62e474d8c478eb15afaa41bcf9c1a495098171
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4a3ee475bed266986eaf3402288b8f3d85e5f8ca83d01117dc611b596e70a57e
+# body-sha256: 93d6e36e8bcb7eb1a23fc1d0c9e3388729644c9390d62e52f46f554bf35f5ae6
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

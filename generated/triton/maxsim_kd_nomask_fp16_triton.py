@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7c5891b9408527b0ed1ae952c01fa338f822c5c2a5e5dcdea456cf8f7d4d2de5
+# body-sha256: d57e7ba645b191a901be8facad74d1c0ab13ed7c956e7d941f3467fd521e484d
 
 """MaxSim forward for maxsim_kd_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

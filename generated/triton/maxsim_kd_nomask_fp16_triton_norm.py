@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d1e53c738357d770f45938643c222820741d40ef6bb3c1bea48a3ab97e9d90e4
+# body-sha256: 1e4256c3a345b5922b99c15bef9f20baddef33c1e0ed6505c64f048bbe9f7b01
 
 """MaxSim forward for maxsim_kd_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

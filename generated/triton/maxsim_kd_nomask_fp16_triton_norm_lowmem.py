@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0d783fe6927f79d612ae9a992453d15a918a07702549c1fa3f73a432147e2e28
+# body-sha256: b5d6d5240175b3094a79bcfc4a924756a09b9ae746810d40dfa048695b7f07db
 
 """MaxSim training (lowmem backward) for maxsim_kd_nomask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

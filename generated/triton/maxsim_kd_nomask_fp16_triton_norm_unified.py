@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2412f1412c1e854034bf927b012d29883e67fd77ebe2437bb8db0e8649ea1a88
+# body-sha256: 821ed7bfde36c5eacd6d47e358ebea78402a54aef096a3c6e97292a404985f20
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a997266ab6957edfef31653696eb27ce67c324cab7c33f2bab049cc7f35ac673
+# body-sha256: f8e01e3f7e02a76cdbb3b122e25a5f8a85aae26c21f364551fad6ace4f22e875
 
 """MaxSim forward for maxsim_kd_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

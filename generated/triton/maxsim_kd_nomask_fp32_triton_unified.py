@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5c2b8084e35d31ba9b979475cff793cf45c60c4602b768404282d29e85bff3f7
+# body-sha256: 7df744fd1e7d4cb3fd34c7f6c9de7cbae2af92a2359c629d1f6b20f3bccf7d4c
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8b329aeeac814a32ca560e8b2456825c097528e1f346dec76f2fcbec19d64a9e
+# body-sha256: 847bc999a3e3d969c753cef53b8e54b6cfd2bfffec1bbdb672759c747858a454
 
 """MaxSim forward for maxsim_kd_qdmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 93f05040add764bbff0e59e664f19a712699a2bb37667f411c07f049f0b0b936
+# body-sha256: 35c0a6a76570724eeddca2bb9247c0eccd96ed59e5daed487fe3ced870edea4a
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 99d280e629a42a4705a5ddf9a8ec1f060a18e6706ce80d9698d1385c4baaa6eb
+# body-sha256: 5fae3af22e04cd4a5382d5dc2b3d4e64a76d08d883c09d261f8cb78d34e83749
 
 """MaxSim forward for maxsim_kd_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 79b3289d889b67b6d523180741fb92c49125f7d7d698a4822876a0e17231f42f
+# body-sha256: 59b6f52f62e25c0e92b8aa6046efe72ab5c8ded1d896dc2ba39acbd148400c47
 
 """MaxSim training (unified backward) for maxsim_kd_qdmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

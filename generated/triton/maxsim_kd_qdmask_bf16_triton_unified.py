@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cf0aa909600ed5b12a285b423e8a385e1ea16bf429b4dab358c9c1b66d8e0a0c
+# body-sha256: 83e7eedc07c0f440e020b80eea0adabd2e7ab00b74284a8570f25a577a578902
 
 """MaxSim training (unified backward) for maxsim_kd_qdmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

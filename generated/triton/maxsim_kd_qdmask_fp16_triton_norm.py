@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8e8068106f902a64718dd780d6ff8e31b073a20ae1c8177d78fa1a4abae9235b
+# body-sha256: cb8fc61ad25162f9a87fbac24a9a5a31a8c5574dd3b23f7fe9dc123b6aad83df
 
 """MaxSim forward for maxsim_kd_qdmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

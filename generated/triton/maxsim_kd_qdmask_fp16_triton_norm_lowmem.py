@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fc21e0b483f306935683fd66faaed16cd76c59c1cdd0bd110c867b8ad5fbe9bf
+# body-sha256: d6c9d50246390f58074a7bdb00230b48fb8497270519a17e2c4e1512cc5fba42
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

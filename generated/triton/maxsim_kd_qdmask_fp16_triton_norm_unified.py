@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d81456733a980673d2d5b6aa6b021a8a7730915e043d527b54fc58ddfe5fd073
+# body-sha256: 455d9305a3228de9b2bb7e75826562e09c2e7ef96239f066968f86b73b00be3e
 
 """MaxSim training (unified backward) for maxsim_kd_qdmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

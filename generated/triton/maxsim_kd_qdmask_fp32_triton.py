@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2e7c371a33de56297eb3d23c75d5aec858aedfc1784217a28de808aeffbf94de
+# body-sha256: d300d45d2cc548f55c6c4ce2e7c25e9a4603a81f43596ff18a7b7b4552e5717b
 
 """MaxSim forward for maxsim_kd_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

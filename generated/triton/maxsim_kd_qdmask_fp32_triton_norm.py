@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e2e1f3ca25a10c565c58092eeaa56202e8805baa89816d6ee7cce1379886e0de
+# body-sha256: 68b13595f87cb2223d1d2eacf29f7dbcd90391b6aa79e17871d621e98f682c85
 
 """MaxSim forward for maxsim_kd_qdmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 90868258d983b5097d47dc5494d3af0bbb52e26717171d58297f3f1e6d6b60e3
+# body-sha256: b0765bda9bb16a96ab518db44bb1d6dde5d8abc9ce148722766536ac63458ef9
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

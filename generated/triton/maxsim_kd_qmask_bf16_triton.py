@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 40858d6f40f374a849e213123cb52a1cd0be2e0f9daa22a8050604345accc9f4
+# body-sha256: 7a90bcc568e1758ab289565bb47d0b41ec5129b2c5d1ffe46d0d61a58decbe02
 
 """MaxSim forward for maxsim_kd_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b54d4fe732375a19e04332a42e4994f51b86dc50c749072861b207d72a8f24a5
+# body-sha256: 416151284946c8e536242994260f1facee5c76c4ab3d29380e8cf4ee8f18f44f
 
 """MaxSim forward for maxsim_kd_qmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

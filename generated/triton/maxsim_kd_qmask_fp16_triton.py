@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 03c0e161a92692d7507b2c6fa3cd40c67b9979fc7da95dc7817f5cc1b04cc077
+# body-sha256: 05460afc80f80457d4a9f31a0ad73f2d4827e8e8b6dc4e6a8cb3f9e7b1972459
 
 """MaxSim forward for maxsim_kd_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8473999cd2faf35a12c8f0b5db0980d3e51a5c4f2b0affc1ba397a20558170ff
+# body-sha256: 3a47c914c9a17a0e2dad58b8403a8cfe5cd7ec1b038579d4e4efdf495d620757
 
 """MaxSim forward for maxsim_kd_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

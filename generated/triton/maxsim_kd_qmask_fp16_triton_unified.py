@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: dff0da2542445c2041f09c940a6408561d489d2749d656fda495a934470cd81d
+# body-sha256: 7aa106b867625ebcd50785730e6d00ca4c0b1c80fe65db26bcdd92410b9e4049
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

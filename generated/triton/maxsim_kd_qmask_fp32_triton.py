@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 42e3ef34c668496c0ea27058046cb8cf3e019ac4fd0fc1abe935d057a4fd920e
+# body-sha256: a876187f417904fb6f9ddebbd5583c9488af15a8f57b00368562faf5abdcfb04
 
 """MaxSim forward for maxsim_kd_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e74c6c93dbbecc8614c507979ce03e9d4b161e766e091b77ad9b6d08c97853ca
+# body-sha256: be43e4541e3f3f0b8b05f92bb37e5a52d6ffb48fe1fd63f97a12c7fc6fe8063d
 
 """MaxSim forward for maxsim_kd_qmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

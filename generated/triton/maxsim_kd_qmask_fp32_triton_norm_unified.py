@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 82db9c5e0923453688729c6ed070dec80548ca272ab2fd143bc67a1a856ea410
+# body-sha256: 6837cf704abb9574e66f0fde878e2df6f86de616eef2b8e63fae1bff581dd8e2
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

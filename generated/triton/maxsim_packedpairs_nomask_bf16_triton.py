@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f7cea1b191a4657dac2c92731830dd666448631624777480993a853e0bba204a
+# body-sha256: fdc8be3d427abf89e9f5c66474cca60077d74a47492f1a26d15d638fd90ce2a0
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

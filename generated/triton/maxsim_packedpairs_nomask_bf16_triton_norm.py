@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 833a3c04b884bc59df8a788eec9a23a43d9dfb0636a074fc3d8db02b27043ea0
+# body-sha256: 65f1cb97cad3973a5d49e9e77c1d48f7385c0668bbffd051c711d3c75b58d583
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 31050d18baad7b710f40e0d584ee6a3981343e7d5183ce552a6c6ae0c6d8b099
+# body-sha256: b857da3f4549ef29acd8275f8a52e09c01bd11052de54d1ac72f6b2e61ed47a9
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

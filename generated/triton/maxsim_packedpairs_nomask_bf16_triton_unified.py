@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 22ad1fbc0a72b07360f8301e42c2837fae9330bb10fb4d6ad460339d263fb857
+# body-sha256: ee8f06dabfe7bd81bebf934f4249a1373ceccca7c643d0b4521994919b667476
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9d7cb652715b30b3c7e6390b7060b6337ce014062fbcb3acb6b21e55727de173
+# body-sha256: ac9df2122705244fbbfd435f713e5714aaea540a46140da4008d2cc131033417
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5aeec389de7f75facc150d4a4ff38f42aec041916b3c14f29bf9078b8711eed4
+# body-sha256: 19d44e678cc1d7d5cf04735069460658ae38d17a05c0308b8403f11fc3513467
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

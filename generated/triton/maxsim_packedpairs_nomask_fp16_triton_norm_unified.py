@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b5289f4725e344f35675a5274a7ad37bda726694488c4148e235ebeb65fa2478
+# body-sha256: 5b56b61ebb078f811a823ad0f24e91e23aaceb4f3a74c2b04fd421a4b04574c9
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a6f1b91e4d1ef99fd96245b09514291e745d383e31f3415412c38b47d3980992
+# body-sha256: 4abe9102a1533d69243ff34e4e6d60ad1f6287907476ee03a218f0b22fa4b083
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

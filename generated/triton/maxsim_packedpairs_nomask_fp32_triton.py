@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5f0690f8c992c98e4266d4fa7bae564c297e4159b7284dad51c0d68c4936989a
+# body-sha256: 505ed9c7bd5eb1b945f42d1cc3e2564ef8dc8db2383f0af5d9bde6039252278b
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a63400cbf569420b8dc395747b16299f516b76f611d7a71c91e9554f8d47a7bb
+# body-sha256: 4d928852eb739c4c8e4591887cff335bb0a9eaa71cebb20e4c3d2d1372a42b88
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

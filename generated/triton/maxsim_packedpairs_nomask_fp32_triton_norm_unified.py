@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 878ca720e037e50571e8a2e8982850f743db193377cd0e9700d4080cc9406f12
+# body-sha256: 27ab284a38f02ff48d125c665677d70df4e49e785be89881dcc0716a92459be1
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 47e8c69604e5938de6d0e04ba6fdb29f0d09f3de1312787a6fa121a83b0341f8
+# body-sha256: f0f262264495388426abe65873f95b0f38001846e2af4769f2bd585edb120938
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

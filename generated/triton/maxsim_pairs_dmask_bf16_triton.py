@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 80fdc436f7a69de41ab5ba71581b9f7320ee1136a267e50481fc0c086f266206
+# body-sha256: 49d1428990dadfde3077460f2f9c6fcb87adf96ca1bb7589274cfef7a36d187e
 
 """MaxSim forward for maxsim_pairs_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 10ac19ead2f776a054c646b4b9d338c0491805d16697537b4c84486c2974bf16
+# body-sha256: aa252012009ad0417e2b2656ca7d50efa9c3ac37335a12033e2c8c344f88cd73
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: c78567477a3ac2a4591897fef803bd490f815b93b26fd2347d7da624ca3eefd3
+# body-sha256: a3f267719b5769cc7ef2df7ef6af561f2201cf3ddc9746ea6d16e3742c7354e7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 316f49122e4eb180c250994e83d1e8844c79017eb2231387bd4ddb665de34c43
+# body-sha256: 8b802b1582b5857fe005c535892ec25149ce1568c8f23ad8c59ab224fb8e4224
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0b6c79442e0c5d388da279fb8171af53711045b539b25d330f4d1e81177f1382
+# body-sha256: b274f1b280ce692d3114bd5e84f7aa14fd7fdf5965f08bb3cdd3cb0223e11a22
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 3a88b1d183fd4b39221b59b4c4ab6dde3c1c61dd34c28b29e9eebd0a0780df08
+# body-sha256: d51195854ae03de2d52ab7adb4a2d96a9d6c70460fe7be00b4e5d06e0c95f97a
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 719c360130eb4fac3d119e18bfa27bcd7e0e9522f911bf28f49e9b2813ea1d23
+# body-sha256: b7de1dabecb0e6a6ca8a7699d271d919a9ecda69466d4aa20d1a5d7724ec99d7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 244b5b34cecdf6595dccee372510b4cfebf8c13f3ae3718a3789457f88ca20de
+# body-sha256: 60d96b210b340bcddc2cc6e38bd65b7ccefe4c579e208243df27e66e94b7fe81
 
 """MaxSim forward for maxsim_pairs_dmask_bf16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3292d622430b050d4a0649c0fec09102fbbe59385a628eb0605bf6d7d2bc0f63
+# body-sha256: 3052460f8914818c93f67ebbe64a71a2e0a3f4ff3180807dbed21086d3cd1117
 
 """MaxSim training (unified backward) for maxsim_pairs_dmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

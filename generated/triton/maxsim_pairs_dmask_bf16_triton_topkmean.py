@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 4d0f1dc8bf0e1083b9dc21dd905d45c43c2cbc57483691c58191b8352cdcaa6d
+# body-sha256: df18f934a77d8ac16be0a2172e9f6000b29ea36800880f2f0efc7747ef81412d
 
 """MaxSim forward for maxsim_pairs_dmask_bf16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

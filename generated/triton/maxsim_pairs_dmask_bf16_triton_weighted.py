@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: da8a236ff7ddf3465062ee4a598d253e9eea93d80169c631ff2ee820a2c66859
+# body-sha256: d9877f06aba65a70f37d9a41dcb05cd11cc93711ccfab69f4957ee3b5cbe21c5
 
 """MaxSim forward for maxsim_pairs_dmask_bf16_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

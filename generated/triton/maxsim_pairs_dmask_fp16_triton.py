@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3a63ebae3d732ed77e495a9a9de44229dc70c9187e958a17ecb27b1f4c946c9d
+# body-sha256: 874ac579c8129af5aec2d671ea54911656ae9171ba9b7c9b4d1502c13210858f
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4332e5e6013fc3aba4f4713f9b3a30046dd9fb42eba3cf859c4413f4e0ac0e37
+# body-sha256: 7714e10597d81f1baad8f6fa47e04d7f9735cd17c71b0ca5e5e90ecd4eb9186c
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6a4222a5db7b10b1f7f209ea5037df3f5245783e6fa9da7cc6c71c0a74cae825
+# body-sha256: 6f9b7cb9c0adfc50bd7d512875d1ef303b29528101bc03dac749ee0dfdbed251
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 24b418fd0f52d6ecf6d403c5a0c40e2549eb8f26600e873393d27722d48d9c9c
+# body-sha256: 337e6849b406324ecb448c6db5dc4587ba343fce255e007f37ca6d70eaa825c2
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

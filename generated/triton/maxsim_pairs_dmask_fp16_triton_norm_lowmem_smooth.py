@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: adbde239e1d86d4c5a52f185fca03b95d4a0b24bbc76b1b09b2dc88ee853cba7
+# body-sha256: 92af5ca01b32ec598f4224bfb1fcfe8e159739d5b23632bdf613e26247d4df0a
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 7f14fa128d15737260ccab5f9adb8f7bf8c0632dd69420af7d54b7bf615ab9ad
+# body-sha256: 3d54ed3c557f85623b7c0dff8abd9bd0a2e8a6b6df3e6133e5e056700b70af33
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

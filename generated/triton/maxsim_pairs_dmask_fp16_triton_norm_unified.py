@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f8d8f13824897bcc672b490bf203cd2c6d9e120f51743c5878804d07f9fadf8f
+# body-sha256: b5a5d6b1e3d2e8d826f21ed8c63fc1f9cbeba46375e6ef8ded7bd9e320b9d001
 
 """MaxSim training (unified backward) for maxsim_pairs_dmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

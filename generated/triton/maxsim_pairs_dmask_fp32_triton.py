@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 92ef637d2f3c197a56d725b89a560921683cb64205aa42d00bf13aec95601a54
+# body-sha256: 5ea2a8ab809b1fbadc08c59c147e9ce0a29b0af429443982c0a4720430ed2c92
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 781985d8b0c5c4d6da3c0868d1c2eb2dbf8305d19edf7427bca46f4e01ba7d72
+# body-sha256: 622563a82fdacbcf090b99a67b83c7b8af71543331de86d9c3fae960e17fee7b
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: c8e700420e58fb8dfae611ec04a2c3447c8227067f7f1b2d076029c8bd7cbb61
+# body-sha256: 77d4396a5b2abd3abfa853e5edb5e1c09b159a04ab123d3310ca6f8fea17d97b
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 94170b028b936fdb8dfbfd4a55e3ada763c8fc97311c67cace498a9350692dc5
+# body-sha256: 61122c1b686405ee072c5ed73ba8316c88890dc84624a80308f104c0dc5f0983
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

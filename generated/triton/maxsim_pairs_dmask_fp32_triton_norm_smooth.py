@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8c6beaeaac28fa67ee46dbff5da5803a7cbf9d0eb953b81990f0b3ed50256315
+# body-sha256: 26ffa4c32605d15e125a59aa76c734bc441029caab01b5a65aefd8f94d4c2319
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

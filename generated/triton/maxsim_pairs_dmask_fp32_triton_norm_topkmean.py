@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 5064e96eea7f60eb8afb28049ddce26f5cd1be63b0284abe7bb69eb68a37de8e
+# body-sha256: 085d9b99d456dbb6552f126682404f42d48be01bfbcafb2dccb0fda452d19b2c
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

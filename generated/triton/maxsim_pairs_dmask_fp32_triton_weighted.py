@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 5df0a3b8f941b7fd239714c69ee98a067dff12429adcc686fdcfe4ffd6be0020
+# body-sha256: d77f41305096ca96e85c05a918eef3fc9ca2e37ec414689dbf343dcb6b86c171
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

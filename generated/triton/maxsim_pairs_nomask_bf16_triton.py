@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 564162dc31ad456290cd2d6c9470b8a3788f4c02dc99aa02489c7ec387e8f346
+# body-sha256: 3e938e18671f34b378bc10d6a666bd2eb6c57a540c2d6e588b734c7918a17629
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

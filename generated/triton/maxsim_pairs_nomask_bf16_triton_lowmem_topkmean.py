@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 94289b89e42328cb7c82b2955c36c863a2769b290de57e68eb6b08146bdbf755
+# body-sha256: 1a7a8274b1700a4e8ba1a2440ebd2aadaa9e8553a2c09e107908ecfe30bedb6b
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_bf16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

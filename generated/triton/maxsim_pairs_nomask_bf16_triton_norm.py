@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ebb9da0f0c53767cf9b511eab42faad9ab27557d2fcd1508f161a8c0aa0b2451
+# body-sha256: ccea274fc48833dda02e1a05ebe5ad7f7156f65f35e62d9c4b96fcec7461e4b1
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

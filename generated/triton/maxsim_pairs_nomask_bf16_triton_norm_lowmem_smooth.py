@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: ebabae4d25b038fceb9f1890c2bdcd7889fb9b9ac0280e6e94c1184f8f299011
+# body-sha256: 97d5049dfbab22fc323e87ac71ad8f01f005587ede801cb9b0fe583dcc377cab
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_bf16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

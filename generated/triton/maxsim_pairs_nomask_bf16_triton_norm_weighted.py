@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 8646ee4d92f535927b1b2b2c4f9406b3f77bef52dadb725b0f59bcf3743da757
+# body-sha256: 03496d5fac71c90a7345086d83986bbb4613c359dca6992f7a14cfe4ea9e6d14
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

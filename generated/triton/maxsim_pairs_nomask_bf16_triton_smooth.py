@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 49e4eaf1e83bea1760cc386ab348c82929301304cbaf0470c96270d349ebaf3f
+# body-sha256: 69748e4555c587632dfd9674e5a4bbea0ab62cd6236bcf1c70390d1e3f618708
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: c34085b870ec0951142e1c73bafc44a6df96bab8d04c3d34934bc169efebffcd
+# body-sha256: 8d80e7eba5ccd82a474f8a87d90ba190b7a2cb3df9eb37fb254bdcf9dd0aa477
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

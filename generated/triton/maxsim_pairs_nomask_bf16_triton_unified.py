@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b056d4d697dd094c7e0e0397d8fc8f33e232aee0c847eb871249bc2b8647cd99
+# body-sha256: 6313b99631c194acaaa23e924406b58affe807167732d4975c9c2028dcd0b996
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

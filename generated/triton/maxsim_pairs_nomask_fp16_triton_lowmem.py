@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e69bde1a9c96e96ec7c79b2ef99b12d33b339972a63d9bc77385f1ede4d81000
+# body-sha256: 90c53f646fc760a7c0b522635359dc76bee9cc78c79a788383cb3088850b388d
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

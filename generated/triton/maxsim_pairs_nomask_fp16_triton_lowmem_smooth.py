@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: ac3a4a868b90f16d739d5111912184cc515c164290c7e106e8141352224d1ee9
+# body-sha256: 674d1add6075f42ff055506ee8e5f888e38f9242be1a3c508049d0f7c8134080
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

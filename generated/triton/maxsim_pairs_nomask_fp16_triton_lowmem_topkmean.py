@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 8a212e37c6b615db66a62281b2b37d143ec5b8fcc167fe27b7f0814ccb6678ff
+# body-sha256: 65a290da77e02c6b4f7605149a7dc450de155a491d3c9f381521556e289f6a14
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

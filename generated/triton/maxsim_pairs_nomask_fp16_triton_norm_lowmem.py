@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ff156f482e88b58f656d13f646faf833f3d1e271dcb348c781d9fb444ca4ffe3
+# body-sha256: 93e02eb1e0dbe620f98df87b3bb2ee218ff8bf15a809b32a64f7f9ca313866ea
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

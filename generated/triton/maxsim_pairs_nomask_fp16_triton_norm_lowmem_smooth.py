@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: bccc06a84fe285ee83861109642865bec0cdedc73600969dbded41371d7db82b
+# body-sha256: eca6dc520a5e19ce23b057b45f1aeb8c24641b65688ec79f601f428b666107be
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: c0d28cd466bdea48567989f00f16543745f3d73bc8b60a00ec0961bd02a8d7c0
+# body-sha256: 9a6f5c43a7d7a9f0946e6edb817f30c2c2aae27fa85e84b35c8ee5adc7921938
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

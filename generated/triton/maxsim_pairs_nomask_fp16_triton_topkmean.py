@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d16d2c18866d47962167f18249377e921996c36a5035cea023031be7b345a2ff
+# body-sha256: 51486dbc79b8a4ec368902e4aaa518595f34ee9f5fc9aceba332d26be357de12
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

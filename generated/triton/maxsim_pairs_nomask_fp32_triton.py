@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4aa6149832145e0b94cce563cf43c73763e0c608a58c50c56e42908f58b832e5
+# body-sha256: 62e42c099641c4fcf1ae280ded95004c7434102b56e3f9feb1d52311c3364dc9
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f2280a94475c43df16fb0054e4b80373f261f73239cb55062b5841839bd525c3
+# body-sha256: b9116f8d771983bff092e46c84be6d23771f252637381fdcd8e0a8b67fc77603
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

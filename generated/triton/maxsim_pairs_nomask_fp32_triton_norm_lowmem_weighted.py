@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 95bff4af507c49f398b0063688bc14f959c36ba3841455e512f25e71d372733d
+# body-sha256: 8aef2ccd1fe5ede6dd163c8c272e371a1bc9911fbf9231a2c5ecaa7c3e0b8b5e
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp32_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: e52536874f78247c95f2a729d7c7cbbb8e15e7eb5377451fd6f5cbe9c4178d4a
+# body-sha256: bdc605a40f33d8ad681bdbec8fa7d5db9337cc91b66bccff5b2c0148494ab1c8
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e3bbfc2b7af257bc879e086032b401c555c1ea496d26c71b46232fa53cb367cf
+# body-sha256: 99712d64f7a65f27e8a7014e348efb762f73d393506e6ed417fe59b629ce669b
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 06adddc3ee11fab77807f9cb1a90a3a312901d4653a8465cb310d565fbd0241f
+# body-sha256: 0e93623bf8259c09d9b405e5f174395212bf0dab41c08210bb85e9f8ab884588
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

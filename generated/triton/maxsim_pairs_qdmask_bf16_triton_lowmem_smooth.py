@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 851544bdde1a1fed88775e0168c1353810b938bb524dc2335c531ccc8c4566d4
+# body-sha256: 9d6006e75f9e840cfa943427fd23bd974fcf9907708c647e3a7badeb702de432
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_bf16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

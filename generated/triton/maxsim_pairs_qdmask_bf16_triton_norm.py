@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 71ebd25024ec7a6cec4be5f9a70478af301221a66cb150460db84858869adc5d
+# body-sha256: 1f91708bb75a655dcfe6e60a5a5d3b50956c0b066e91f7f01868570b0b3d59af
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

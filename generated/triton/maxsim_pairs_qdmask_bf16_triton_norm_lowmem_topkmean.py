@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: bf392d427da441b412a07a10f0c7347aa78c15112e1e4421bda8ee0b5377f23c
+# body-sha256: 4d26ea2b4b8e887137a447ecbd86bd3cef857c2d0a7116c4a035e5508f857046
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_bf16_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

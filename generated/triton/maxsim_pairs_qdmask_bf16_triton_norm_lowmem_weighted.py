@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 1d77ce9569717a0d91e307fa25230808df2f63c7fdf012ddc5c38fce24f4c8d0
+# body-sha256: dc78d05860d159bf8c688adf048fb4ee7397f09d21755400a03cf9048748a6e4
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_bf16_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 2de1c9b2e65b9a0964c06911a35cd1d40658f01e7ca7faf9d3d100ae98837acb
+# body-sha256: 3f8c2444a7439bd8da5c1be77e2714900ec87259e0e9f5e0aec0bbbc3f1c0f56
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 75fc395f4f47bdc8a60ef4bae0e6f288b706c001efab190f83bf002ad54c0e6a
+# body-sha256: b43a05f5747ac678796294e91e7bd436bf47c274e4ab9e680dbc4a0073e0ec78
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9091044fff200d6b6a0a50bbdd5e816d6268c04b8314f6b9ba59106235f96556
+# body-sha256: b80c9c2597dde37fbb3b3074d8791a5f74c3bb79f71caa5dcea1a8d136f8f2a8
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 3aa56cc4e9437b7362cd1ba0ce394f6ecdf6ee132a8af975ea0fe5d709c1afd3
+# body-sha256: b91006cad1f888be05674a5916fa5cc03f1538f948e0e775cb027cbe1f3737ca
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

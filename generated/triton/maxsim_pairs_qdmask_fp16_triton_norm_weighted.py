@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e5893e59f57220e75fe9b751b95dca703e3826be8847ed30594151cd5c51a0c1
+# body-sha256: 1d4a4a48cd796535f4fc3d1186c944c7dbc05a3f96b4369ae8f29a6558a2f1ea
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

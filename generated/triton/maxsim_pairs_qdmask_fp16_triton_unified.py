@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c2a7b773267d4f80fe1129e3472937729c5b37fe5e4467a611c7379210759035
+# body-sha256: 352df56fb88092319eba677672dd1ebfc179ba3e4ed38507846b699993a6075d
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

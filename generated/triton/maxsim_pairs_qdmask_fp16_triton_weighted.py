@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 8afe0f790dd234485f73fc71d67763d6edf8ae42d4c3c0cde64b357d2a9d8e17
+# body-sha256: e5e2ce7b29023733ec7f1f952cb0afb61a9b5c127a1a3397d461d3d0c971b112
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

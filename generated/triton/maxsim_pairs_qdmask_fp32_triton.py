@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a1c1357dc2d47aa0ea27fc9cd0f7906434325a97d55224598d7b50e108fed58e
+# body-sha256: d5c1427ddfd953ff1aa41c693cdb22a90c5b2a162778521d14fa32e5eac92b24
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

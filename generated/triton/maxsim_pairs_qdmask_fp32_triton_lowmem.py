@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2f5c58d253a60c2246232af6adb2fd7c4201a9f649a50ebac3f05bf6d92650c0
+# body-sha256: d8ed68bd7973cf98a76918e1bc41f7840106fcfffca18b57d3cb6ebbc4e7fcc9
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

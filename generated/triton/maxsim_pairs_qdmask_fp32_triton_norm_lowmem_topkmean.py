@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: bfe3844119e35f6b4e5e2ab7b2866e93c6913ed3e4d6765b19aecfd4ed8ceeda
+# body-sha256: 14bf1e49714c26749bdf5ec49ac8bb27890ed6dca09b0c614e3dfd5142a67b11
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8d7c16cda0379f05f320228247436bd792eb8bb627a5a2e0d33e25219e1654e3
+# body-sha256: 7a449a5f1d379660d856628bebab8984b0500f1a39c2dcedfed2e42a5280f027
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 7e47eedaefa27ee116227bbaa87eb675c9d91e35fc09320e62cb7b0b0d63452d
+# body-sha256: a537b610fa0e4c85f504f04a811bf5c6f0729d6d36764ddbbfba0a24da17fb9a
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

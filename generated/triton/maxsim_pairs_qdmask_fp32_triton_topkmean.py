@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: ce12004949f6e48ff74ab25b2ecfbf2dd79ca54bb508d1e57817a9b7c129b159
+# body-sha256: 9fee6ed341080b6a6b6fcdccb40e9e33b1c64b027ddb131d386900dc83eaafc7
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

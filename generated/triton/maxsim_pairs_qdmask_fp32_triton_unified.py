@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: baa4e52d9b948114bf3a6f6b93161443e8f41cc3d26925c6562802eaab7e4a6c
+# body-sha256: 32a6f4ccb50b871861ff634f97e4bb1d81d95f67999b1df6229bf6334b718bf5
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 16cd23a8cc3a4dcd95b800f7fc9372dc7fe76e0235a0d8c80c664a30964f8e53
+# body-sha256: 26ce4714f0524fd2be3590358d4859df8ce0092963630ae05a945d2893d5bb3f
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

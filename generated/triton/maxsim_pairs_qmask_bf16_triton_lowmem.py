@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e7248109a4af8735b4a14f54d0e9ac21eb1efaeb6a78fa7268708c8b06008944
+# body-sha256: 152f65b8d276a4b45fdccbff217f2622936a53a3573b0f5ead9816c51fc40337
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

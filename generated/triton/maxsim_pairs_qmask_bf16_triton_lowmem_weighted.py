@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 4f8aed7233c3d837c597f4f31001003942bef4e0c62145667134a1c2caeb8336
+# body-sha256: aadf7d391091f46c8b66d1a1e6c23f84de52943f520dd70268cbeaa8f2c79d53
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_bf16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

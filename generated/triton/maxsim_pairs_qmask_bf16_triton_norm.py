@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 75da01674f5527ba1aeaf2621424b57ee48fa949cd3d4c9a9c19fb6a4f42ded3
+# body-sha256: 30ce98b02330075724926cc74bcb7ea12f72f8b0cdb8bfc13379f7c663485d03
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

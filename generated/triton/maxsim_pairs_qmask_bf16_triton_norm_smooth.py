@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 9b183290c41ad7d5f776d92f6652db1d6fb1f39420ca8816e4e95498d3593ae6
+# body-sha256: c0d2b1819c734d72e5a47d9b0dd645d96c9f0650debf7cbf44cfa56d11b91936
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 14614d5513a00ab1b068d0a7846ce242c5058d6cda2f18601154e3467f1f3a02
+# body-sha256: 684c1b2164e854ea7851523f7458da592a8fa5d0a2ee3bd08c973d76319af4cd
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

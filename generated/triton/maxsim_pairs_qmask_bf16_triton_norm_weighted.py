@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 6c16a8fee6db83bb87e0dcf2866e2db46be57e45794e9f5fc0f1dd771a9a4e34
+# body-sha256: 21b922c1bbdfc624224d4a6445e319379cd48a210f0b2bd8c77ddf3d1deb9784
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: e74c9ca22291852a9a4a999003f099d2483b297f8019cdb19233d3bf14a74d3e
+# body-sha256: dda649d8852cc5cbfad4c67a2552002a0468d9bb94a358ed028f75352f1c4407
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

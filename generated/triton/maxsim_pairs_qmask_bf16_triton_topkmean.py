@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 6416b0021bd87333829db5e1ae2d639598408fc54aa204936fd1c53d8aadcdc0
+# body-sha256: d2dc492fe23ac018c1c979873ddfb91d35cd99b260b6b3357278a477af17520f
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6e2542e3f4d8a7daa6922cd2fce7d7a4d4c0ec866ed857dcde9341c4db8e84cf
+# body-sha256: 3db6cc9b228a9cb6f1e7299988695ccb335c78463fc7681b2887e4bea0692b16
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

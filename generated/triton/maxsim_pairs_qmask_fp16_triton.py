@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 597c03e1a339dc9ca0a481dbe79d2c7b24a3c26094f1f205cb97ffb7964ab105
+# body-sha256: 9d45dd3b5a6ad3b615c0e1344878a96ceae58e669567785a2c0e5b4824957188
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

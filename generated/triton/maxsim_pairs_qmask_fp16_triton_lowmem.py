@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 032daa74156556e97fb0b46ed307e3a131ba05ef7d089461144e771411a21cd0
+# body-sha256: 4cf22e230dcbbf3a9f106428100f992e65c3084a414e107bd9f0007a2c34f2d3
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 377a36d8485012d3d00669614ff6f6d25c5f32362fe7c1d21a891d8fe9271144
+# body-sha256: 3b4dc6e1c766d71f69536b3bfcc4fc947fb1dea8e1776a10e8ac332d0bfda310
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ae1b64c3ccf6eba61e84dea87d312d8e3f83f54604dae2a116b1c64a9c11ef8f
+# body-sha256: bead7367fbc9e95e91b69b43d4629e2e45331bc89db3ac056c8335c731faa598
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

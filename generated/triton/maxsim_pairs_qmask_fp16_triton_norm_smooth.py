@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 2fd278a0818463b3b8c29e4921404c36cede1c93d359aac89be9dcb8fc69f91c
+# body-sha256: 252b8b5175e5f2b177cd6359c47294c96ee9db9383d5fad936a416901b62db79
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

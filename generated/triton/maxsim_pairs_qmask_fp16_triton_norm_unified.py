@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a63e5c545bdf793478379461755f72d16a49132b77187944614a83ebc652fdae
+# body-sha256: c32409fda5923145147f7efcb70569df1edb2f82ad909d4d06a0d892ccf71b89
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

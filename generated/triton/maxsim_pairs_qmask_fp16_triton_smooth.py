@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 377a838b30c4a63043ffe0063c9ba75397fe91ebd338fa47a5a125ceab4b40ea
+# body-sha256: a0e2d1145cdf2b47760327d14e92e76ab509d38ad2df98474b97c41f8477c514
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

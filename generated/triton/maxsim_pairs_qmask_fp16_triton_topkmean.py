@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 988bd32ff9fe8c42eb96ba3bb846e8f518457a213a6b9fda8b65cf53423a471e
+# body-sha256: a8afe55be8067eaed024565fdb4db257cedce4e04771fe5fe4c24a896c950ce3
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

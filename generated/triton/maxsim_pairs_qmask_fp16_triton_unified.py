@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e57acd6ab4a0918ab00eb7aea8f93da36971285550e64a5fedea73bfa06d62f4
+# body-sha256: 5a016ffec35ee930f92e821a9fbe8a15fcec7e7b511e1235827beaba2d9d92ce
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

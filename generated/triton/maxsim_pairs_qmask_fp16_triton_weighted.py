@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 86c488e870d43282f82d233ee995fa01132b5b61ab99ca84d8adba9cda4aba25
+# body-sha256: c9217b78edc3524c7a5ae83e2b17a605fe461c851157e6cde063deb6563b9d7e
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 25b48a1228ee90f91ff2e6442b6948918a1ca1c1b6143f6ee117694506cde731
+# body-sha256: fe48e62549cee61ec0658f1bbb0c00aaab1206c19d744483ff546057190eb5d7
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

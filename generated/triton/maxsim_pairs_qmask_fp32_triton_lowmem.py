@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 804d5a446283a619fc0b950bbd5750077a1cf8f53f0d47c69536b3da6af6a2e8
+# body-sha256: fabafae3afdaf1a0611afc38211a042a5e48490a8c6c83e8b50287a57b0f7128
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: b74e4ec242c510f9573987d02366d78295bd3e6705c651711d11cf973833ba62
+# body-sha256: 4a5304a50aa7bf966ad42bc99b13600bc1c8ff09984547b919afebc33b040a08
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp32_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "lowmem"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1488dbe5ecc5d1141cbe61f626a77c3ff873fee77f068d5a59db130b557bc337
+# body-sha256: 05e1c0814db259184fca536ccf49a9b9125074d3898d7883587f718d2018bd9d
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7de850708bf50abbb4249b7e2ce5a0afb2ee32856bfa3f29b761e473406b14f5
+# body-sha256: b6edb1430a028e72d961959fc4179300093fa85c9c4fb8b7f0b3b421a53d3814
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 49e7fc511d80f186f70a9fce2cfab425dc02a3cf6dacb730ae1fb120a21ae563
+# body-sha256: fb7b37528b212bf966e2e6a12f35995ff37f6b30324b090599115906445886cb
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

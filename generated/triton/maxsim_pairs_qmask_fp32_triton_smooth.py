@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 9453a3baa0053d1ee6aea3593bf547b02b6db009485f4e90f9933900b94e1305
+# body-sha256: fb15f7f9f727e79337ae8014a0b62c0b2e666353899b85a2bb260b9c2712e75b
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "smooth"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 3e3db1f3be3ee84360074a42a069c6beb0bb9c8da89f657b0b38af048a2141bb
+# body-sha256: d962a1395339c693c860cffbfab01b2900351a6aba4b6d0d78575385cd068b99
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

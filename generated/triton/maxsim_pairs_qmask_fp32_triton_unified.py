@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 527431284ea209cda097254bc6d160330dc19551f00238bb74f6fc48aef25812
+# body-sha256: c72f3b39f5ad739f5a1440282d225a9c740b83857f07a739bb8946d5d93851f7
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: a0363a145a62d502efdbb2db3fad86c75e2074a0203623e2a83b536a0754dccc
+# body-sha256: f720f40b5da4905e7f8a80b2d29f9f19c8b32d29364668c66163bee87c95f426
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "weighted"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

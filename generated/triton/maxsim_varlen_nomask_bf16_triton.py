@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 77a6f11026828a26c325c8d6ab7da169b5a4fb7bc1290f5297c445cf07e6d062
+# body-sha256: 02d8a43150e2d6ea0df17e8a77c6b2377053d9f3531a270029779345f363b40b
 
 """MaxSim forward for maxsim_varlen_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6467109d3bf70a1e623dc9ccb3cf392424ce64ff595fba906c6943030567b2c4
+# body-sha256: 8e1b0fc8d62a5d5eea0badacbd1d89103bafecd7afa057ebb035c05bf0e89f8f
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit
@@ -83,7 +84,8 @@ def _load_doc_tile(
         other=0,
     )
     bucket = (_reverse_bits(packed.to(tl.int32)) >> (first_bit % 8)[None, :]) & ((1 << 4) - 1)
-    weight = tl.load(BucketWeights + bucket * stride_wb)  # 4 to 256 entries, cache-resident
+    # 4 to 256 entries, cache-resident; 64-bit like every other offset times a stride.
+    weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
     value = centroid.to(tl.float32) + weight.to(tl.float32)
     value = tl.where(code_ok[:, None], value, float("nan"))
     return tl.where(valid, value, 0.0)

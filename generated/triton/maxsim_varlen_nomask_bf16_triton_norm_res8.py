@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 190be2c7b04f7648aeae2c1ff66df462b9f8ad936c24655c394a06ff881cb248
+# body-sha256: 9ca750847a0fa795a9d7b83c8589cd622a5d3d6ef736c3ca8d01778cfe9f9be1
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit
@@ -83,7 +84,8 @@ def _load_doc_tile(
         other=0,
     )
     bucket = (_reverse_bits(packed.to(tl.int32)) >> (first_bit % 8)[None, :]) & ((1 << 8) - 1)
-    weight = tl.load(BucketWeights + bucket * stride_wb)  # 4 to 256 entries, cache-resident
+    # 4 to 256 entries, cache-resident; 64-bit like every other offset times a stride.
+    weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
     value = centroid.to(tl.float32) + weight.to(tl.float32)
     value = tl.where(code_ok[:, None], value, float("nan"))
     return tl.where(valid, value, 0.0)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6dea6a0bdce3b99486dfbfab0e8621605d7000f62f6e4a13755aa5b96a13b4e1
+# body-sha256: 536165fc454be0dc2642850bb077788f40f2b288817270a0ac502c7d54663657
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 89111c299c49e66eaaa62042088b75ba998d1edb7c9701e03c6273ca65fc73c1
+# body-sha256: f108dacee85c295e9caeefe696a3c02b558aa5a4aba1851fd05d6e232faf5bfd
 
 """MaxSim forward for maxsim_varlen_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

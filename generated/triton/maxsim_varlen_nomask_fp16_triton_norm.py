@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b8a5cc109d378eb90038d2951fdc71e25e5f7b7ec23962e75f36576197c9ac98
+# body-sha256: d97c26f6d124293db17930a501e62ecac6e8ddba4d35bc90394a49709f837cf2
 
 """MaxSim forward for maxsim_varlen_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7e34e47de2c3a7e4208ce0a00123e453875531a09efdd203f8b7ec6519fec4d4
+# body-sha256: cdb6bbb4be5bc6614edfe072def55401b2e62915a6b03c52a4ea1a738a98dd10
 
 """MaxSim forward for maxsim_varlen_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

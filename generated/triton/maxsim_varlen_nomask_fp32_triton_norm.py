@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2d21340e1c14ceee2cfbf17e04cd3cd18819e5c31f5d0db7f548fb041ae44e18
+# body-sha256: ab9ebbbd283e4e274781613f64ebd26c3f88e744404f4f0a2b83d841799550e2
 
 """MaxSim forward for maxsim_varlen_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ac94b9bd08013227f62591353bb0609340e95621c2f93d7b2168319a42bd72c9
+# body-sha256: e3170df262d277e53b6a6013d91824c88c9d26468141aa0033594483d3e42a90
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit
@@ -83,7 +84,8 @@ def _load_doc_tile(
         other=0,
     )
     bucket = (_reverse_bits(packed.to(tl.int32)) >> (first_bit % 8)[None, :]) & ((1 << 8) - 1)
-    weight = tl.load(BucketWeights + bucket * stride_wb)  # 4 to 256 entries, cache-resident
+    # 4 to 256 entries, cache-resident; 64-bit like every other offset times a stride.
+    weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
     value = centroid.to(tl.float32) + weight.to(tl.float32)
     value = tl.where(code_ok[:, None], value, float("nan"))
     return tl.where(valid, value, 0.0)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0ad6ce0df1949c8154594acc77c2f46db95b9a80b9bf5b8c7feee111b8bd5d3d
+# body-sha256: 17cedc1aa10df8982fc7606a4373711715330b58cf4fedd5bd83eda92082125f
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

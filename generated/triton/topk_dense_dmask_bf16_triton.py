@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9ce71b82409d5e45dd8f716534a8a552c3ca1736a9d9464e93bc4278312a6a80
+# body-sha256: a9f75609505a1f5a4f5e84ae1ced9b01ba44b9aecc3dad7f465637d0b017b933
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 01d658a7d398cfbb678da39320bbd5b7d2b4bbac4167773d93cb57262ea3557f
+# body-sha256: f9759a1e7f572f74633d15718ecb272624cfb59f02b6f265000510874af98842
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

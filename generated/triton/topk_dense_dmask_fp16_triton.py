@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c7d769ad00749a2e3f5abdf8bf0521819e7dab333fe239ac64a0be1e1fd2c934
+# body-sha256: ad6ff2c2c94212bccb2fff3b7c7f0e3d0f14bcd9190f32b8378814523566d11f
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6b5850b2f5ade2c09da2916f1295abb6dc160c92758460ba118a01b2a3b8147d
+# body-sha256: cdbe07293f788ecd3097fe3418d00db1ea13bbafa964f5555eec7d3ece5f512a
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

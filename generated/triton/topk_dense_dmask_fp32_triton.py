@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0534796ced29b03e517558e20c3929506c116b3a847ac94b22ba3c3cf0c6dd14
+# body-sha256: a55ea557bd41cd3f45a67827e8aa55b7d4cb1bafb4d11f1aa1598c8f0713a0bf
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

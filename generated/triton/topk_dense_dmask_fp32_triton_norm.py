@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ae99fdefac3ce408ea90c5c2b6b9cac0124188b0019fcf352a3ad6f781bd6b10
+# body-sha256: efd645e4157204059a98b164d1278ea2d9e91b3f5ede2414d8f47e11c0dc5e86
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

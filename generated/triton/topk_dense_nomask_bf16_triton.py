@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d128b4af46974ee59ad5294d63c77df390cedadd956ccdc1ed95fdb5ed1967ed
+# body-sha256: ea81c224e7fdf1b39401ab0a20c59c84722e961010f169a2f68245aa5e06d9af
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5d5b527101afd033277a0daaf9cbac22cae9454ffee8254dd0a54846745366f7
+# body-sha256: fd94128cc1f8c2d44adc22207a020a80ffbd2b33f72839c4aa03431b0b4e81f4
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5380ab6dbfa86b3f097ed9380d4f77f187dbcead6c13c736a5f5e2d87d1aa644
+# body-sha256: da89b2d24077285bf5dae12640c1389af9adb68ed14d2cc8f82b1321b786dd6c
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2f2386f45eaf0ca52bcd0f958f6762c3bdfb030af9cec6f354f09403b98b00ce
+# body-sha256: 67cb6ae8664d4e9c1cfd95730e19d9752f52c4724ade6a105ee16a356f5e10db
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

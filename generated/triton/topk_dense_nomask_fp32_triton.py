@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 18dade752d6bfb74d4a18662746090086005579e8cb4cfb2091bdacd3f4c54e0
+# body-sha256: fe900be350f43b097d0e17f82951a2e907ee573af6cf02536d83e0ee6bb7cae7
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ae96ade72f76f0dcd4d5cfd66d3e844fbbab4c310e6619460bfe0e68b4e5a67b
+# body-sha256: be016797eb30dd61442c776228ff788a04a1305de50bb36df89224535e55cba4
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 76aeb6ecd35c7bb1453180e85a4ff1e57acd8807f4a316b4ee81916a7926ddaa
+# body-sha256: 9ba4167a3cf9432f6340c12e1ae10a3babc46d91a626113c897a5eb561e9daf4
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b6b7db381cbdc3643e6abd4b1d034ec32940c5aeffba696230fbba394db9cb61
+# body-sha256: 71a9ae1b4768addb911d781bd75cd978bfcf45d74c7013529c0f38057d7a9ab9
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

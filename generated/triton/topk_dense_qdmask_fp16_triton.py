@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3aeb122987e227bb4da7f1b057281a6615ec0fd178a85d9d99fedd80bafbe622
+# body-sha256: 194e436940b5d8d781ec9b592b7f5855e15995e161138422b349ceb08e4811a7
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 58fb1fd68dd3b5f206035e23cc0253041dd01552b2a6e375c8a63d22f82e5253
+# body-sha256: 7617e63bef818350c228f41ab00c7ae64e3c35bfe445381e9ad77ec085220f67
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = True
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c78a90128ebb0249e7c29c3532c01c49463de73393bfcbd3172cee5665314b02
+# body-sha256: 30c7cc6275f8492b6b403785b4a4b4bbeb114705fbc0a14788eee212e888d8f3
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

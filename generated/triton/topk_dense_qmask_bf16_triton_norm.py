@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 181955fefee14d43c7a7e6668d0ff8c0c85b92f8ed84a77279f5ace960c1356b
+# body-sha256: 39925d6eb673960890c485026bde189eaf8e97b173ea3ac78c9c1c4b9a4cb052
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 42af1ec0ac54981f6d20b2368097a313aa405e48cb9c0ba4d897c93fc0740b14
+# body-sha256: 33910f63e83950bc4a9a0930a1ec1ffa372b7e7a07c8c38ce07cef3e7f534c7f
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

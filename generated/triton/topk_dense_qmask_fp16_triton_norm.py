@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c2f20bdf57edf4714cd242c625fbf3265775d8f1774416e4a3e2965af8304355
+# body-sha256: b80ea223d429871051946e16f8d6a842dfdcda01381eaf1d37e8b64111f25bec
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d9a18e5bd4743f6b5387666ef3846130635df6fa2e0ef196dbe62d3337ac58b8
+# body-sha256: 967cd25eb94bd5807540ea690564d1e2409e5108b3500988ebe77a4f2cf853af
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ HAS_D_MASK = False
 NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
+DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 
 
 @triton.jit
