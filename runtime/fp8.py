@@ -24,7 +24,7 @@ import functools
 import torch
 
 from lik.runtime import api, dispatch, metal, registry, validate
-from lik.runtime.keys import variant_name
+from lik.runtime.keys import gpu_family, variant_name
 from lik.runtime.reference import maxsim_fp8_reference
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -34,6 +34,10 @@ FP8_DOT_MIN_CAPABILITY = (8, 9)
 # Triton's 8-bit dots need K >= 32; smaller head dims are zero-padded to it (the kernel
 # masks the head-dim tail of every load).
 FP8_MIN_BLOCK_K = 32
+# Hopper's fp8 tensor-core instruction (wgmma) takes tiles of at least 64 rows; a 32-token
+# query tile falls back to a slower path. Padding the tile to 64 masked rows measured
+# 0.088 against 0.104 ms on an H200 (Nq 1, Nd 8192, Lq 32, Ld 256).
+FP8_MIN_ROWS = {"hopper": 64, "blackwell": 64}
 QUANTIZE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SCALE_DTYPES = QUANTIZE_DTYPES
 # The bf16 fallback dequantizes the docs this many elements at a time, so its fp32
@@ -207,6 +211,9 @@ def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
                                   doc_tokens=D.shape[1])  # fmt: skip
         if config.block_k < FP8_MIN_BLOCK_K:
             config = dataclasses.replace(config, block_k=FP8_MIN_BLOCK_K)
+        min_rows = FP8_MIN_ROWS.get(gpu_family(Q.device), 0)
+        if config.block_q * config.query_group < min_rows:
+            config = dataclasses.replace(config, block_q=min_rows // config.query_group)
         whole = stop - start == lq
         if q_mask is not None:
             masks["q_mask"] = q_mask if whole else q_mask[:, start:stop]

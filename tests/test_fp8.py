@@ -163,6 +163,22 @@ def test_streamed_doc_blocks(monkeypatch, docs_per_program):
     _check(out, ref, fp8.fp8_path(torch.device(DEVICE)), f"{docs_per_program} docs/program")
 
 
+@needs_kernel
+def test_query_tile_padded_to_hopper_minimum(monkeypatch):
+    # On Hopper the query tile is padded to 64 rows (masked) for the fp8 tensor cores.
+    monkeypatch.setattr(fp8, "gpu_family", lambda device: "hopper")
+    launched = []
+    real_launch = dispatch._launch
+    monkeypatch.setattr(dispatch, "_launch", lambda fn, config, *a, **k: (
+        launched.append(config.block_q * config.query_group), real_launch(fn, config, *a, **k))[1])
+    Q8, D8, sq, sd, q_mask, d_mask, ref = _case(2, 3, 7, 37, 32, "token", "token", "qd", seed=6)
+    out = poisoned((2, 3), DEVICE)
+    sq_view, sd_view = fp8._per_token(sq, Q8.shape[:-1]), fp8._per_token(sd, D8.shape[:-1])
+    fp8._kernel(out, Q8, D8, sq_view, sd_view, q_mask, d_mask)
+    assert launched and all(rows >= 64 for rows in launched), launched
+    _check(out, ref, fp8.fp8_path(torch.device(DEVICE)), "padded query tile")
+
+
 def test_stream_block_size_targets_a_program_count():
     assert dispatch.stream_docs_per_program(8192, 1) == 8  # 1024 programs
     assert dispatch.stream_docs_per_program(10, 1) == 1
