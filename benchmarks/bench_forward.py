@@ -32,13 +32,13 @@ from common import (
     measure_ceilings,
     peak_extra_memory_mib,
     percent_of_roofline,
+    pick,
     relative_error,
     release_cached_memory,
     roofline_floor,
     rotating,
     rotation_count,
-    write_json,
-    write_speedup_plot,
+    write_results,
 )
 
 SHAPES = [
@@ -352,9 +352,6 @@ def markdown_report(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"{stem}.json", report)
-    (out_dir / f"{stem}.md").write_text(markdown_report(report))
     names = [record["name"] for record in report["shapes"]]
     series = {
         f"vs {IMPLEMENTATIONS[p][0]}": [speedup(r, p) for r in report["shapes"]]
@@ -362,8 +359,7 @@ def write_report(report: dict, out_dir: Path, stem: str) -> None:
         if p in report["implementations"]
     }
     title = f"lik forward speedup, {report['env']['gpu']}"
-    if not write_speedup_plot(out_dir / f"{stem}.png", names, series, title):
-        print("matplotlib is not installed: no plot written", flush=True)
+    write_results(out_dir, stem, report, markdown_report(report), (names, series, title))
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,16 +379,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dry-run", action="store_true", help="CPU only, tiny shapes, no Triton, peers or do_bench"
     )
     return parser.parse_args(argv)
-
-
-def pick(names: str | None, available: list[str], what: str) -> list[str]:
-    if not names:
-        return available
-    chosen = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in available]
-    if unknown:
-        sys.exit(f"unknown {what}: {', '.join(unknown)}; choose from {', '.join(available)}")
-    return chosen
 
 
 def tiny(shape: Shape) -> Shape:

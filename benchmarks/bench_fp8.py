@@ -40,8 +40,7 @@ from common import (
     release_cached_memory,
     rotating,
     rotation_count,
-    write_json,
-    write_speedup_plot,
+    write_results,
 )
 
 SHAPES = [
@@ -365,9 +364,6 @@ def markdown_report(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"{stem}.json", report)
-    (out_dir / f"{stem}.md").write_text(markdown_report(report))
     names = [record["name"] for record in report["shapes"]]
     series = {
         f"vs {IMPLEMENTATIONS[b][0]}": [ratio(r, b) for r in report["shapes"]]
@@ -375,8 +371,7 @@ def write_report(report: dict, out_dir: Path, stem: str) -> None:
         if b in report["implementations"]
     }
     title = f"{IMPLEMENTATIONS[HEADLINE][0]} speedup, {report['env']['gpu']}"
-    if not write_speedup_plot(out_dir / f"{stem}.png", names, series, title):
-        print("matplotlib is not installed: no plot written", flush=True)
+    write_results(out_dir, stem, report, markdown_report(report), (names, series, title))
 
 
 # ---------------------------------------------------------------------------------------

@@ -36,10 +36,10 @@ from common import (
     measure_ceilings,
     peak_extra_memory_mib,
     percent_of_roofline,
+    pick,
     relative_error,
     release_cached_memory,
-    write_json,
-    write_speedup_plot,
+    write_results,
 )
 
 
@@ -396,9 +396,6 @@ def markdown_report(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"{stem}.json", report)
-    (out_dir / f"{stem}.md").write_text(markdown_report(report))
     names = [r["name"] for r in report["shapes"]]
     series = {
         f"vs {IMPLEMENTATIONS[k][0]}": [speedup(r, k) for r in report["shapes"]]
@@ -406,8 +403,7 @@ def write_report(report: dict, out_dir: Path, stem: str) -> None:
         if k in report["implementations"]
     }
     title = f"lik fused head speedup, {report['env']['gpu']}"
-    if not write_speedup_plot(out_dir / f"{stem}.png", names, series, title):
-        print("matplotlib is not installed: no plot written", flush=True)
+    write_results(out_dir, stem, report, markdown_report(report), (names, series, title))
 
 
 def tiny(shape: HeadShape) -> HeadShape:
@@ -434,10 +430,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU only, tiny shapes")
     args = parser.parse_args(argv)
     by_name = {s.name: s for s in SHAPES}
-    names = [n.strip() for n in args.shapes.split(",")] if args.shapes else list(by_name)
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        sys.exit(f"unknown shapes: {', '.join(unknown)}; choose from {', '.join(by_name)}")
+    names = pick(args.shapes, list(by_name), "shapes")
     shapes = [by_name[n] for n in names]
     keys = list(IMPLEMENTATIONS)
     if args.dry_run:

@@ -34,8 +34,9 @@ from common import (
     markdown_table,
     normalized_tokens,
     peak_extra_memory_mib,
+    pick,
     release_cached_memory,
-    write_json,
+    write_results,
 )
 
 TOP_K = 100
@@ -292,9 +293,7 @@ def markdown_report(report: dict) -> str:
 
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"{stem}.json", report)
-    (out_dir / f"{stem}.md").write_text(markdown_report(report))
+    write_results(out_dir, stem, report, markdown_report(report))
 
 
 # ---------------------------------------------------------------------------------------
@@ -309,16 +308,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="shorter warm-up and timing")
     parser.add_argument("--dry-run", action="store_true", help="CPU only, tiny corpora, lik only")
     return parser.parse_args(argv)
-
-
-def pick(names: str | None, available: list[str], what: str) -> list[str]:
-    if not names:
-        return available
-    chosen = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in available]
-    if unknown:
-        sys.exit(f"unknown {what}: {', '.join(unknown)}; choose from {', '.join(available)}")
-    return chosen
 
 
 def tiny(case: Case) -> Case:

@@ -368,3 +368,25 @@ def write_speedup_plot(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def pick(names: str | None, available: list[str], what: str) -> list[str]:
+    """The comma-separated names a user asked for (all when none), or exit naming the
+    unknown ones and the choices."""
+    if not names:
+        return available
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        choices = ", ".join(available)
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)}; choose from {choices}")
+    return chosen
+
+
+def write_results(out_dir: Path, stem: str, report: dict, markdown: str, plot=None) -> None:
+    """<stem>.json, <stem>.md and, given plot = (categories, series, title), <stem>.png."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / f"{stem}.json", report)
+    (out_dir / f"{stem}.md").write_text(markdown)
+    if plot is not None and not write_speedup_plot(out_dir / f"{stem}.png", *plot):
+        print("matplotlib is not installed: no plot written", flush=True)
