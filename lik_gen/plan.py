@@ -370,7 +370,8 @@ def streams_docs(variant: Variant) -> bool:
     query tile. Streaming DOCS_PER_PROGRAM docs keeps the next doc's tiles in flight.
     """
     # fp8 docs do not gain: on an H200 (Nq 1, Nd 8192, Ld 256) one doc per program ran
-    # 0.104 ms and blocks of 4-32 docs 0.108-0.124 ms (benchmarks/bench_fp8.py sweep).
+    # 0.104 ms and blocks of 4-32 docs 0.108-0.124 ms; with the 64-row query tile, 0.088
+    # against 0.094-0.103 ms for blocks of 2-16 docs.
     return (
         variant.op is Op.MAXSIM
         and not plan_fp8.is_scaled(variant)
