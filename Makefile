@@ -56,8 +56,11 @@ test: setup
 demo: setup
 	$(VPY) -m lik.demo
 
+# Every benchmark, one after the other, into the committed results folder.
+BENCHES := forward train ragged retrieve variants fp8 plaid head cold_start
+
 bench:
-	python3 benchmarks/bench_forward.py --out benchmarks/results
+	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done
 
 # Sweeps launch configs for the benchmark shapes on this GPU and rewrites the committed
 # table runtime/tuning/<family>.toml (commit the result).
