@@ -55,8 +55,8 @@ TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, 
 TOLERANCE = {"fp8": 5e-2, "bf16": 1e-2}
 PARITY_DOCS_EACH_END = 32  # first and last docs: offset overflows show at high indices
 # Launch configs the sweep tries for lik's fp8 kernel (block_l, num_stages, num_warps,
-# docs per program: 1, as fp8 does not stream, see lik_gen.plan.streams_docs).
-SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8), (1,)))
+# query-tile rows: 32 is one query's tokens, 64 what Hopper's fp8 wgmma takes).
+SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8), (32, 64)))
 
 # key: (label, storage, scale granularity)
 IMPLEMENTATIONS = {
@@ -218,18 +218,17 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
     )
     timing = TIMING["quick"]
     rows = []
-    docs = default.docs_per_program
-    configs = [(default.block_l, default.num_stages, default.num_warps, docs, True)]
-    configs += [(bl, st, nw, dpp, False) for bl, st, nw, dpp in SWEEP]
-    for block_l, stages, warps, docs, is_default in configs:
+    default = fp8.fp8_tiles(default, q8.device)  # as the runtime launches it
+    configs = [(default.block_l, default.num_stages, default.num_warps, default.block_q, True)]
+    configs += [(bl, st, nw, rows, False) for bl, st, nw, rows in SWEEP]
+    for block_l, stages, warps, rows, is_default in configs:
         config = LaunchConfig(
-            block_q=default.block_q,
+            block_q=rows,
             block_l=block_l,
             block_k=default.block_k,
             num_warps=warps,
             num_stages=stages,
             query_group=1,
-            docs_per_program=docs,
         )
         ms, error = attempt(
             lambda config=config: bench_ms(
@@ -241,14 +240,14 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
                 "block_l": block_l,
                 "num_stages": stages,
                 "num_warps": warps,
-                "docs_per_program": docs,
+                "block_q": rows,
                 "default": is_default,
                 "ms": ms,
                 "error": error,
             }
         )
         print(
-            f"    block_l {block_l}, stages {stages}, warps {warps}, docs {docs}"
+            f"    block_l {block_l}, stages {stages}, warps {warps}, block_q {rows}"
             f"{' (default)' if is_default else ''}: {format_ms(ms)} ms"
             f"{'' if error is None else ' ' + error}",
             flush=True,
@@ -340,14 +339,14 @@ def markdown_report(report: dict) -> str:
                 r["block_l"],
                 r["num_stages"],
                 r["num_warps"],
-                r.get("docs_per_program", ""),
+                r.get("block_q", ""),
                 "yes" if r["default"] else "",
                 format_ms(r["ms"]),
                 r["error"] or "",
             ]
             for r in sweep["rows"]
         ]
-        headers = ["block_l", "stages", "warps", "docs/program", "default", "ms", "error"]
+        headers = ["block_l", "stages", "warps", "block_q", "default", "ms", "error"]
         parts += [markdown_table(headers, rows)]
         if sweep["toml_line"]:
             parts += ["", "Fastest, as a tuning-table line:", "", f"    {sweep['toml_line']}"]

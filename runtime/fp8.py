@@ -194,6 +194,17 @@ def _per_token(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return scale.reshape(shape)
 
 
+def fp8_tiles(config, device: torch.device):
+    """A launch config with the tile minimums of fp8 dots: K >= 32 everywhere, and on
+    Hopper-class GPUs a query tile of at least 64 rows (masked padding)."""
+    if config.block_k < FP8_MIN_BLOCK_K:
+        config = dataclasses.replace(config, block_k=FP8_MIN_BLOCK_K)
+    min_rows = FP8_MIN_ROWS.get(gpu_family(device), 0)
+    if config.block_q * config.query_group < min_rows:
+        config = dataclasses.replace(config, block_q=min_rows // config.query_group)
+    return config
+
+
 def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
     """Scores into out [Nq, Nd] (fp32) with the generated fp8 kernel: Q [Nq, Lq, d],
     D [Nd, Ld, d] (Lq, Ld > 0), per-token scale views [Nq, Lq] and [Nd, Ld]."""
@@ -209,11 +220,7 @@ def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
     for start, stop in dispatch._chunks(lq):
         config = dispatch._config(name, module, Q, stop - start, out.numel(), docs=D.shape[0],
                                   doc_tokens=D.shape[1])  # fmt: skip
-        if config.block_k < FP8_MIN_BLOCK_K:
-            config = dataclasses.replace(config, block_k=FP8_MIN_BLOCK_K)
-        min_rows = FP8_MIN_ROWS.get(gpu_family(Q.device), 0)
-        if config.block_q * config.query_group < min_rows:
-            config = dataclasses.replace(config, block_q=min_rows // config.query_group)
+        config = fp8_tiles(config, Q.device)
         whole = stop - start == lq
         if q_mask is not None:
             masks["q_mask"] = q_mask if whole else q_mask[:, start:stop]
