@@ -42,3 +42,13 @@ def test_other_launch_errors_are_not_swallowed():
 
     with pytest.raises(ValueError, match="bad argument"):
         dispatch._launch(launch, LaunchConfig(32, 64, 128, 8, 3))
+
+
+def test_only_short_docs_stream_in_blocks():
+    # Docs of at most two tiles stream (sized for ~1024 programs, capped at 64 per
+    # program); longer docs keep one program per doc, and so do calls already that wide.
+    config = LaunchConfig(32, 64, 128, 4, 3, query_group=4)
+    assert dispatch.streamed_blocks(config, nq=16, nd=100_000, ld=128) == 64
+    assert dispatch.streamed_blocks(config, nq=16, nd=8192, ld=100) == 32
+    assert dispatch.streamed_blocks(config, nq=256, nd=256, ld=300) == 1  # five tiles
+    assert dispatch.streamed_blocks(config, nq=1, nd=1000, ld=128) == 1  # 1000 programs
