@@ -69,11 +69,16 @@ STREAM_TARGET_PROGRAMS = 1024
 STREAM_DOCS_PER_PROGRAM = (1, 64)
 
 
+def _docs_per_program(nd: int, groups: int, target: int, bounds: tuple[int, int]) -> int:
+    """Docs each program walks so that `groups` query groups over nd docs make about
+    `target` programs: a power of two within bounds."""
+    low, high = bounds
+    return min(high, max(low, next_power_of_two(-(-nd * groups // target))))
+
+
 def stream_docs_per_program(nd: int, groups: int) -> int:
     """Docs per program of a streamed forward over nd docs and `groups` query groups."""
-    low, high = STREAM_DOCS_PER_PROGRAM
-    wanted = -(-nd * groups // STREAM_TARGET_PROGRAMS)
-    return min(high, max(low, next_power_of_two(wanted)))
+    return _docs_per_program(nd, groups, STREAM_TARGET_PROGRAMS, STREAM_DOCS_PER_PROGRAM)
 
 
 def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
@@ -170,23 +175,36 @@ def forward(
     name = variant_name(
         layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, backward=backward
     )
-    module = registry.load(name)
-    extra = {}
+    shared = {"D": D}
     if d_mask is not None:
-        extra["d_mask"] = validate.byte_mask(d_mask)
-    if q_mask is not None:
-        q_mask = validate.byte_mask(q_mask)
-    for start, stop in _chunks(lq):
-        config = _config(name, module, Q, stop - start, out.numel(), docs=D.shape[0],
-                         doc_tokens=D.shape[-2])  # fmt: skip
+        shared["d_mask"] = validate.byte_mask(d_mask)
+    per_token = {"q_mask": validate.byte_mask(q_mask), "argmax": argmax}
+    return launch_in_query_chunks(name, out, Q, per_token, shared, docs=D.shape[0],
+                                  doc_tokens=D.shape[-2])  # fmt: skip
+
+
+def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_tokens=0,
+                           adjust=None):  # fmt: skip
+    """Launches variant `name` into out over Q [N, Lq, d] in chunks of at most LQ_CHUNK
+    query tokens, whose scores add exactly (a max never spans query tokens).
+
+    per_token: tensors whose last axis is Lq (masks, argmax, scales; None entries are
+    left out), sliced with Q; shared: the other launcher arguments, by name. adjust maps
+    the looked-up config to the one launched (e.g. a variant's tile minimums).
+    """
+    module = registry.load(name)
+    lq = Q.shape[1]
+    per_token = {key: value for key, value in per_token.items() if value is not None}
+    for start, stop in _chunks(lq) or [(0, 0)]:
+        config = _config(name, module, Q, stop - start, out.numel(), docs=docs,
+                         doc_tokens=doc_tokens)  # fmt: skip
+        if adjust is not None:
+            config = adjust(config)
         whole = stop - start == lq  # the common case: no slicing on the hot path
-        if q_mask is not None:
-            extra["q_mask"] = q_mask if whole else q_mask[:, start:stop]
-        if argmax is not None:
-            extra["argmax"] = argmax if whole else argmax[..., start:stop]
+        sliced = per_token if whole else {k: v[..., start:stop] for k, v in per_token.items()}
         target = out if start == 0 else torch.empty_like(out)
-        _, fitted = _launch(module.launch, config, target, Q if whole else Q[:, start:stop], D,
-                            **extra)  # fmt: skip
+        _, fitted = _launch(module.launch, config, target, Q=Q if whole else Q[:, start:stop],
+                            **shared, **sliced)  # fmt: skip
         if fitted is not config:
             _remember(config, fitted)
         if start > 0:
@@ -297,8 +315,7 @@ def topk_candidates(Q, D, q_mask, d_mask, normalize: bool, k: int):
     Nq, Nd = Q.shape[0], D.shape[0]
     config = _config(name, module, Q, Q.shape[1], Nq * Nd)
     groups = -(-Nq // config.query_group)
-    low, high = TOPK_DOCS_PER_PROGRAM
-    docs = min(high, max(low, next_power_of_two(-(-Nd * groups // TOPK_TARGET_PROGRAMS))))
+    docs = _docs_per_program(Nd, groups, TOPK_TARGET_PROGRAMS, TOPK_DOCS_PER_PROGRAM)
     config = dataclasses.replace(config, top_k=next_power_of_two(k), docs_per_program=docs)
     blocks = -(-Nd // docs)
     scores = torch.empty((Nq, blocks, config.top_k), dtype=torch.float32, device=Q.device)

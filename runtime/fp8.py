@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from lik.runtime import api, dispatch, metal, registry, validate
+from lik.runtime import api, dispatch, metal, validate
 from lik.runtime.keys import gpu_family, variant_name
 from lik.runtime.reference import maxsim_fp8_reference
 
@@ -209,32 +209,13 @@ def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
     """Scores into out [Nq, Nd] (fp32) with the generated fp8 kernel: Q [Nq, Lq, d],
     D [Nd, Ld, d] (Lq, Ld > 0), per-token scale views [Nq, Lq] and [Nd, Ld]."""
     name = variant_name("dense", q_mask is not None, d_mask is not None, False, FP8_DTYPE)
-    module = registry.load(name)
-    masks = {}
-    if q_mask is not None:
-        q_mask = validate.byte_mask(q_mask)
+    shared = {"D": D, "scale_D": scale_D}
     if d_mask is not None:
-        masks["d_mask"] = validate.byte_mask(d_mask)
-    lq = Q.shape[1]
-    # Queries longer than one launch's tile are scored in chunks whose sums add exactly.
-    for start, stop in dispatch._chunks(lq):
-        config = dispatch._config(name, module, Q, stop - start, out.numel(), docs=D.shape[0],
-                                  doc_tokens=D.shape[1])  # fmt: skip
-        config = fp8_tiles(config, Q.device)
-        whole = stop - start == lq
-        if q_mask is not None:
-            masks["q_mask"] = q_mask if whole else q_mask[:, start:stop]
-        target = out if start == 0 else torch.empty_like(out)
-        _, fitted = dispatch._launch(
-            module.launch, config, target,
-            Q if whole else Q[:, start:stop], D,
-            scale_Q=scale_Q if whole else scale_Q[:, start:stop], scale_D=scale_D, **masks,
-        )  # fmt: skip
-        if fitted is not config:
-            dispatch._remember(config, fitted)
-        if start > 0:
-            out += target
-    return out
+        shared["d_mask"] = validate.byte_mask(d_mask)
+    per_token = {"scale_Q": scale_Q, "q_mask": validate.byte_mask(q_mask)}
+    return dispatch.launch_in_query_chunks(
+        name, out, Q, per_token, shared, adjust=lambda config: fp8_tiles(config, Q.device)
+    )
 
 
 def _dequantize_bf16(X: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

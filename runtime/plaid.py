@@ -161,9 +161,7 @@ def _query_chunks(lq: int):
 
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):
-    codes = args[1]  # [B, max_Ld] (dense) or packed: streaming applies to the dense kernel
-    config = dispatch._config(name, module, Q, lq, out.numel(), docs=out.shape[-1],
-                              doc_tokens=codes.shape[-1])  # fmt: skip
+    config = dispatch._config(name, module, Q, lq, out.numel())
     _, fitted = dispatch._launch(module.launch, config, out, *args, **kwargs)
     if fitted is not config:
         dispatch._remember(config, fitted)
@@ -173,27 +171,13 @@ def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, 
     out = torch.empty((Q.shape[0], codes.shape[0]), dtype=torch.float32, device=Q.device)
     if out.numel() == 0:
         return out
-    name = _variant("dense", centroids, nbits)
-    module = registry.load(name)
-    for start, stop in _query_chunks(Q.shape[1]):
-        whole = stop - start == Q.shape[1]
-        target = out if start == 0 else torch.empty_like(out)
-        _launch(
-            name,
-            module,
-            Q,
-            stop - start,
-            target,
-            Q if whole else Q[:, start:stop],
-            codes,
-            residuals,
-            centroids,
-            bucket_weights,
-            doc_lengths,
-        )
-        if start > 0:
-            out += target
-    return out
+    # Lq == 0 still launches once (launch_in_query_chunks): bad lengths must still poison.
+    shared = {"codes": codes, "residuals": residuals, "centroids": centroids,
+              "bucket_weights": bucket_weights, "doc_lengths": doc_lengths}  # fmt: skip
+    return dispatch.launch_in_query_chunks(
+        _variant("dense", centroids, nbits), out, Q, {}, shared,
+        docs=codes.shape[0], doc_tokens=codes.shape[1],
+    )  # fmt: skip
 
 
 def _grad_q(grad_out, Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):
