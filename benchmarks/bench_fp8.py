@@ -220,10 +220,10 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
     rows = []
     default = fp8.fp8_tiles(default, q8.device)  # as the runtime launches it
     configs = [(default.block_l, default.num_stages, default.num_warps, default.block_q, True)]
-    configs += [(bl, st, nw, rows, False) for bl, st, nw, rows in SWEEP]
-    for block_l, stages, warps, rows, is_default in configs:
+    configs += [(bl, st, nw, block_q, False) for bl, st, nw, block_q in SWEEP]
+    for block_l, stages, warps, block_q, is_default in configs:
         config = LaunchConfig(
-            block_q=rows,
+            block_q=block_q,
             block_l=block_l,
             block_k=default.block_k,
             num_warps=warps,
@@ -240,14 +240,14 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
                 "block_l": block_l,
                 "num_stages": stages,
                 "num_warps": warps,
-                "block_q": rows,
+                "block_q": block_q,
                 "default": is_default,
                 "ms": ms,
                 "error": error,
             }
         )
         print(
-            f"    block_l {block_l}, stages {stages}, warps {warps}, block_q {rows}"
+            f"    block_l {block_l}, stages {stages}, warps {warps}, block_q {block_q}"
             f"{' (default)' if is_default else ''}: {format_ms(ms)} ms"
             f"{'' if error is None else ' ' + error}",
             flush=True,
@@ -334,6 +334,9 @@ def markdown_report(report: dict) -> str:
         if not sweep:
             continue
         parts += [f"## lik fp8 launch configs, {record['name']} (per-tensor scales)", ""]
+        if sweep.get("error"):
+            parts += [f"The sweep failed: {sweep['error']}", ""]
+            continue
         rows = [
             [
                 r["block_l"],

@@ -148,6 +148,9 @@ class RenderContext:
     doc_bases: tuple[tuple[str, str], ...] = (("d_base", "d"),)
     doc_lengths: bool = False
     nbits: int = 0
+    # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
+    # Ld, chosen per call) and then masks no doc token.
+    even_tiles: bool = False
 
 
 class PlanError(ValueError):
@@ -182,7 +185,9 @@ Nq, Nd, K, B, P, Lq, Ld, n_rows = sympy.symbols(
 BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, QUERY_GROUP, num_stages = sympy.symbols(
     "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R QUERY_GROUP num_stages", integer=True, positive=True
 )
-DOCS_PER_PROGRAM = sympy.Symbol("DOCS_PER_PROGRAM", integer=True, positive=True)
+DOCS_PER_PROGRAM, DOC_SPLITS = sympy.symbols(
+    "DOCS_PER_PROGRAM DOC_SPLITS", integer=True, positive=True
+)
 _PADDED_Q = (("Nq", "Q.shape[0]"), ("Lq", "Q.shape[1]"), ("dim", "Q.shape[2]"))
 _RAGGED = (("Nq", "cu_seqlens_q.shape[0] - 1"), ("Nd", "cu_seqlens_d.shape[0] - 1"),
            ("dim", "Q.shape[1]"), ("total_q", "Q.shape[0]"), ("total_d", "D.shape[0]"))  # fmt: skip
@@ -292,6 +297,8 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     else:
         fwd += ragged + [KernelArg("Out", "out")]
         fwd_strides += _strides("o", "out", pair_axes)
+    if streams_docs(variant):  # each token range's row maxima, when long docs are split
+        fwd += [KernelArg("Partial", "partial")]
     # Hooked token scores: weights w[query, s] (weighted), a temperature (smooth), and
     # what the backward needs instead of an argmax.
     weighted, smooth = variant.score is Score.WEIGHTED, variant.score is Score.SMOOTH
@@ -311,8 +318,10 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     # grad_Q reads the raw queries only for the normalization Jacobian; grad_D likewise
     # reads the raw doc tokens only then.
     if variant.score is not Score.MAX:
-        return {"fwd": tuple(fwd + sizes("fwd") + fwd_strides),
-                **_recompute_args(variant, weights, tau, saved, saved_strides)}
+        return {
+            "fwd": tuple(fwd + sizes("fwd") + fwd_strides),
+            **_recompute_args(variant, weights, tau, saved, saved_strides),
+        }
     bwd_q_inputs = (q if normalize else []) + d + grad + argmax
     bwd_q_strides = (q_strides if normalize else []) + d_strides
     bwd_d_inputs = q + (d if normalize else []) + grad + argmax
@@ -361,6 +370,10 @@ def _recompute_args(variant, weights, tau, saved, saved_strides):
     }  # fmt: skip
 
 
+# Layouts whose docs all hold Ld tokens (ragged ones end each doc at its own length).
+_EVEN_TILE_LAYOUTS = (Layout.DENSE, Layout.KD, Layout.PAIRS)
+
+
 def streams_docs(variant: Variant) -> bool:
     """Whether each forward program walks a block of docs in one flat (doc, tile) loop:
     dense inference with the plain max (no argmax to save, no token-score hook).
@@ -388,12 +401,17 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     queries, docs = shape["queries"], shape["docs"]
     pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
     element = ELEMENT_BYTES[variant.dtype]
-    if variant.op is Op.TOPK or streams_docs(variant):
+    if variant.op is Op.TOPK:
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * sympy.ceiling(
             docs / DOCS_PER_PROGRAM
         )
         grid_params = pair_params + ("QUERY_GROUP", "DOCS_PER_PROGRAM")
         grid_doc = "(group of queries, block of documents)"
+    elif streams_docs(variant):
+        blocks = sympy.ceiling(docs / DOCS_PER_PROGRAM)
+        forward_programs = sympy.ceiling(queries / QUERY_GROUP) * blocks * DOC_SPLITS
+        grid_params = pair_params + ("QUERY_GROUP", "DOCS_PER_PROGRAM", "DOC_SPLITS")
+        grid_doc = "(group of queries, block of documents or token range of one)"
     elif variant.layout is Layout.DENSE:
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * docs
         grid_params, grid_doc = pair_params + ("QUERY_GROUP",), "(group of queries, document)"
@@ -506,7 +524,8 @@ def plan(variant: Variant):
     formulas = _formulas(variant)
     blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l",
               "QUERY_GROUP": "config.query_group",
-              "DOCS_PER_PROGRAM": "config.docs_per_program"}  # fmt: skip
+              "DOCS_PER_PROGRAM": "config.docs_per_program",
+              "DOC_SPLITS": "config.doc_splits"}  # fmt: skip
     # Tensors the runtime hands to launch() and backward() by keyword, after Q and D.
     ragged = shape["ragged"]
     launcher_args = ["Q", "D", *ragged]
@@ -577,4 +596,5 @@ def plan(variant: Variant):
         score=score,
         scaled=plan_fp8.is_scaled(variant),
         doc_stream=streams_docs(variant),
+        even_tiles=variant.layout in _EVEN_TILE_LAYOUTS and not variant.mask.has_d,
     )

@@ -106,5 +106,6 @@ def plan_residual(variant: Variant) -> RenderContext:
                          "stride_wb", "n_centroids"),
         doc_bases=(("code_base", "c"), ("residual_base", "r")),
         doc_lengths=dense,
+        even_tiles=False,  # a doc ends at its own length
         nbits=RESIDUAL_BITS[variant.decompression],
     )  # fmt: skip

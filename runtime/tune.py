@@ -12,7 +12,6 @@ no sweep ever runs at call time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -78,9 +77,8 @@ def tune_shape(shape, quick: bool) -> tuple[str, dict] | None:
     out = torch.empty(nq, nd, device="cuda")
     best, reference = None, None
     for config in candidates(key):
-        if getattr(module, "DOC_STREAM", False):  # as dispatch sizes doc blocks per call
-            docs = dispatch.streamed_blocks(config, nq, nd, ld)
-            config = dataclasses.replace(config, docs_per_program=docs)
+        if getattr(module, "DOC_STREAM", False):  # doc blocks or token ranges, as dispatch
+            config = dispatch.streamed(config, nq, nd, ld)
         try:
             module.launch(out, Qc, D, config=config)
             torch.cuda.synchronize()

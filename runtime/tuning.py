@@ -30,6 +30,7 @@ class LaunchConfig:
     query_group: int = 1  # queries stacked per forward program (dense layout)
     top_k: int = 1  # candidates kept per query and doc block (top-k epilogue)
     docs_per_program: int = 256  # docs one top-k program walks
+    doc_splits: int = 1  # token ranges each doc of a streaming forward splits into
     interpret: bool = False
 
 

@@ -309,8 +309,10 @@ def test_strided_inputs_and_scales():
     generator = torch.Generator().manual_seed(12)
     Q_big, sq_big = fp8.quantize_fp8_per_token(torch.randn(4, 9, 64, generator=generator))
     D_big, sd_big = fp8.quantize_fp8_per_token(torch.randn(21, 6, 64, generator=generator))
-    Q8, sq = Q_big[::2, 1:8, :48].to(DEVICE), sq_big[::2, 1:8].to(DEVICE)
-    D8, sd = D_big.transpose(0, 1)[:, :, :48].to(DEVICE), sd_big.t().to(DEVICE)
+    # Sliced on the device: moving a view with .to() would copy it contiguous.
+    Q_big, sq_big, D_big, sd_big = (t.to(DEVICE) for t in (Q_big, sq_big, D_big, sd_big))
+    Q8, sq = Q_big[::2, 1:8, :48], sq_big[::2, 1:8]
+    D8, sd = D_big.transpose(0, 1)[:, :, :48], sd_big.t()
     d_mask = random_mask((21, 6), 0.6, DEVICE, generator=generator).t()
     assert not Q8.is_contiguous() and not D8.is_contiguous() and not sd.is_contiguous()
     ref = maxsim_fp8_reference(Q8, D8, scale_Q=sq, scale_D=sd, d_mask=d_mask, dtype=torch.float64)

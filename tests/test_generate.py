@@ -141,14 +141,16 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
             a.strip().rstrip(",") for a in text[start : text.index("):", start)].splitlines()[1:]
         ]
 
-    # Dense inference streams blocks of docs: it also takes Nd and DOCS_PER_PROGRAM.
+    # Dense inference streams blocks of docs or splits long ones: it also takes Nd,
+    # DOCS_PER_PROGRAM, DOC_SPLITS and the token ranges' row maxima (Partial).
     assert signature("maxsim_dense_nomask_bf16_triton") == [
-        "Q", "D", "Out", "Nq", "Nd", "Lq", "Ld", "dim",
+        "Q", "D", "Out", "Partial", "Nq", "Nd", "Lq", "Ld", "dim",
         "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
         "stride_ob", "stride_oc",
         "BLOCK_Q: tl.constexpr", "BLOCK_L: tl.constexpr", "BLOCK_K: tl.constexpr",
-        "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr",
+        "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr", "EVEN_LD: tl.constexpr",
         "QUERY_GROUP: tl.constexpr", "DOCS_PER_PROGRAM: tl.constexpr",
+        "DOC_SPLITS: tl.constexpr",
     ]  # fmt: skip
     kd = signature("maxsim_kd_qdmask_bf16_triton")
     assert kd[:5] == ["Q", "D", "q_mask", "d_mask", "Out"]

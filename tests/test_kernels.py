@@ -73,6 +73,27 @@ def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize(
+    "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]
+)
+def test_split_long_docs(monkeypatch, name, splits):
+    # Few long docs split into token ranges whose row maxima a second kernel reduces:
+    # Ld 77 is three tiles, so 4 ranges leave one empty; doc 0 is fully masked (scores 0)
+    # and one doc token is NaN (its doc scores NaN whichever range holds it).
+    monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld: splits)
+    variant = Variant.parse(name)
+    generator = torch.Generator().manual_seed(9)
+    Q, D, q_mask, d_mask, shape, _ = _case(variant, 5, 3, 7, 77, 48, generator)
+    D[2, 70, 5] = float("nan")
+    if d_mask is not None:
+        d_mask[0], d_mask[2, 70] = False, True
+    ref = maxsim_reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
+    out = _run(variant, Q, D, q_mask, d_mask, shape)
+    assert ref[:, 2].isnan().any() and torch.equal(out[:, 2].isnan().cpu(), ref[:, 2].isnan())
+    assert_close_to_reference(out[:, :2], ref[:, :2], Q.dtype, interpreter=INTERPRETER, what=name)
+
+
 EDGE_SHAPES = {
     "Lq=1": (2, 3, 1, 19, 48),
     "Ld=1": (2, 3, 5, 1, 48),

@@ -44,6 +44,21 @@ def test_other_launch_errors_are_not_swallowed():
         dispatch._launch(launch, LaunchConfig(32, 64, 128, 8, 3))
 
 
+def test_only_few_long_docs_split_into_token_ranges():
+    # About 256 programs, ranges of at least 4 tiles, powers of two; streamed blocks of
+    # short docs never split.
+    config = LaunchConfig(32, 64, 128, 8, 3, query_group=8)
+    assert dispatch.doc_splits(config, nq=16, nd=32, ld=8192) == 4  # longdoc: 64 -> 256
+    assert dispatch.doc_splits(config, nq=1, nd=1, ld=8192) == 32  # 128 tiles, 4 per range
+    assert dispatch.doc_splits(config, nq=1, nd=1, ld=64 * 12) == 2  # 12 tiles: 3 ranges of 4
+    assert dispatch.doc_splits(config, nq=1, nd=1000, ld=1024) == 1  # 1000 programs
+    assert dispatch.doc_splits(config, nq=1, nd=4, ld=7 * 64) == 1  # too short to split
+    streamed = dispatch.streamed(config, nq=16, nd=32, ld=8192)
+    assert (streamed.docs_per_program, streamed.doc_splits) == (1, 4)
+    streamed = dispatch.streamed(config, nq=1, nd=4, ld=128)
+    assert (streamed.docs_per_program, streamed.doc_splits) == (1, 1)
+
+
 def test_only_short_docs_stream_in_blocks():
     # Docs of at most two tiles stream (sized for ~1024 programs, capped at 64 per
     # program); longer docs keep one program per doc, and so do calls already that wide.

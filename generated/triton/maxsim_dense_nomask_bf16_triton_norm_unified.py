@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6fc0275a07898829774dc3bdef5de722f1e3c22b3beddd986c3080052308ee65
+# body-sha256: e6603af047dd51db6e4c00355a30f1e5c11dff201d23cbe4c2c18b1ee49c8fdf
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -71,6 +71,7 @@ def maxsim_dense_nomask_bf16_triton_norm_unified_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
@@ -113,7 +114,8 @@ def maxsim_dense_nomask_bf16_triton_norm_unified_fwd_kernel(
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
@@ -316,6 +318,7 @@ def launch(out, Q, D, *, argmax, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9e37b08d51d7092acccee519392a1aebb39640af2b5951d056c797f9ba97a148
+# body-sha256: 49c8839e461094c58e4be6d3d60685082f642220aac3460028a1d5810e801b87
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -44,6 +44,7 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
     Q,
     D,
     Out,
+    Partial,
     Nq,
     Nd,
     Lq,
@@ -62,8 +63,10 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
+    DOC_SPLITS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -92,26 +95,43 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     if DOCS_PER_PROGRAM == 1:
-        # Docs of several tiles: one program per (group, doc), its tiles in one loop.
-        doc = doc_block
+        # Docs of several tiles: one program per (group, doc, token range), the range's
+        # tiles in one loop. DOC_SPLITS > 1 splits long docs so that few docs still fill
+        # the GPU: each range writes its row maxima to Partial, and the split-reduce
+        # kernel takes their max and sums the query tokens.
+        doc = doc_block // DOC_SPLITS
         d_len = Ld
         d_base = doc * stride_db
 
-        for start in range(0, d_len, BLOCK_L):
+        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+        first = (doc_block % DOC_SPLITS) * span
+        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
             best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-        final = best * q_scale
-        final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
-        scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
+        if DOC_SPLITS == 1:
+            final = best * q_scale
 
-        tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
+            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
+
+            tl.store(
+                Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq
+            )
+        else:
+            final = best * q_scale
+
+            # Every row is written (-inf where no valid query token), so the reduce reads
+            # whole rows without masks. Layout: [Nd, DOC_SPLITS, groups, rows].
+            final = tl.where(q_valid, final, float("-inf"))
+            tl.store(Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final)
     else:
         # Docs of one or two tiles stream through one flat loop over (doc, tile), so the
         # next doc's tiles load while this one is scored, and the query tile is loaded
@@ -131,13 +151,15 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
             best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
             last = (start + BLOCK_L) >= Ld
             final = best * q_scale
+
             final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
             scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
 
@@ -152,6 +174,37 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@triton.jit
+def maxsim_dense_nomask_fp16_triton_norm_split_reduce_kernel(
+    Partial,
+    Out,
+    Nq,
+    stride_ob,
+    stride_oc,
+    BLOCK_Q: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
+    DOC_SPLITS: tl.constexpr,
+):
+    # One program per (group of queries, doc): the max over the doc's token ranges of each
+    # row's maximum (NaN kept), then the sum over each query's tokens.
+    pid = tl.program_id(0).to(tl.int64)
+    groups = tl.cdiv(Nq, QUERY_GROUP)
+    group = pid % groups
+    doc = pid // groups
+    rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
+    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    for split in tl.static_range(DOC_SPLITS):
+        part = tl.load(
+            Partial + ((doc * DOC_SPLITS + split) * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows
+        )
+        best = _max_keep_nan(best, part)
+    # A query token with no valid doc token (or none at all) adds 0.
+    best = tl.where(best != float("-inf"), best, 0.0)
+    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
+    group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
+    tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
+
+
 def cdiv(a, b):
     return -(-a // b)
 
@@ -162,9 +215,9 @@ def _dot_config(config):
     return tl.float16, "ieee"
 
 
-def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM):
-    """Programs of the forward: one per (group of queries, block of documents)."""
-    return (cdiv(Nd, DOCS_PER_PROGRAM) * cdiv(Nq, QUERY_GROUP),)
+def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
+    """Programs of the forward: one per (group of queries, block of documents or token range of one)."""
+    return (DOC_SPLITS * cdiv(Nd, DOCS_PER_PROGRAM) * cdiv(Nq, QUERY_GROUP),)
 
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
@@ -180,12 +233,25 @@ def launch(out, Q, D, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    # Split docs: every (doc, token range, group)'s row maxima, reduced after the forward.
+    rows = config.query_group * config.block_q
+    splits = config.doc_splits
+    partial = (
+        out
+        if splits == 1
+        else torch.empty(
+            Nd * splits * cdiv(Nq, config.query_group) * rows,
+            dtype=torch.float32,
+            device=out.device,
+        )
+    )
     maxsim_dense_nomask_fp16_triton_norm_fwd_kernel[
-        forward_grid(Nq, Nd, config.query_group, config.docs_per_program)
+        forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
         Q,
         D,
         out,
+        partial,
         Nq,
         Nd,
         Lq,
@@ -208,6 +274,22 @@ def launch(out, Q, D, *, config):
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,
+        DOC_SPLITS=splits,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
+    if splits > 1:
+        maxsim_dense_nomask_fp16_triton_norm_split_reduce_kernel[
+            (cdiv(Nq, config.query_group) * Nd,)
+        ](
+            partial,
+            out,
+            Nq,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_Q=config.block_q,
+            QUERY_GROUP=config.query_group,
+            DOC_SPLITS=splits,
+            num_warps=4,
+        )
     return out

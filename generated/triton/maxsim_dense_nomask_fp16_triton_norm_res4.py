@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: db10cc567d6556240534da80c3814f26ed61ec783a9dc45b5c21d465d3d518b6
+# body-sha256: 5380bc655ddc52b90d4d8c52ce7d58159b41499ed95dc2fdb2932441ce95248b
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -100,6 +100,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
     BucketWeights,
     DocLengths,
     Out,
+    Partial,
     Nq,
     Nd,
     Lq,
@@ -127,6 +128,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
+    DOC_SPLITS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -155,8 +157,11 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     if DOCS_PER_PROGRAM == 1:
-        # Docs of several tiles: one program per (group, doc), its tiles in one loop.
-        doc = doc_block
+        # Docs of several tiles: one program per (group, doc, token range), the range's
+        # tiles in one loop. DOC_SPLITS > 1 splits long docs so that few docs still fill
+        # the GPU: each range writes its row maxima to Partial, and the split-reduce
+        # kernel takes their max and sums the query tokens.
+        doc = doc_block // DOC_SPLITS
         # A doc length outside [0, Ld] reads nothing and poisons the doc's score (checked here,
         # where it is read: no host sync), instead of truncating or reading out of bounds.
         d_len = tl.load(DocLengths + doc * stride_lenb).to(tl.int64)
@@ -165,7 +170,9 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
         code_base = doc * stride_cb
         residual_base = doc * stride_rb
 
-        for start in range(0, d_len, BLOCK_L):
+        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+        first = (doc_block % DOC_SPLITS) * span
+        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(
                 Codes,
@@ -193,12 +200,23 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
             best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-        final = best * q_scale
-        final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
-        scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
-        scores = tl.where(bad, float("nan"), scores)
+        if DOC_SPLITS == 1:
+            final = best * q_scale
 
-        tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
+            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
+            scores = tl.where(bad, float("nan"), scores)
+
+            tl.store(
+                Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq
+            )
+        else:
+            final = best * q_scale
+
+            # Every row is written (-inf where no valid query token), so the reduce reads
+            # whole rows without masks. Layout: [Nd, DOC_SPLITS, groups, rows].
+            final = tl.where(q_valid, final, float("-inf"))
+            tl.store(Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final)
     else:
         # Docs of one or two tiles stream through one flat loop over (doc, tile), so the
         # next doc's tiles load while this one is scored, and the query tile is loaded
@@ -248,6 +266,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
             last = (start + BLOCK_L) >= Ld
             final = best * q_scale
+
             final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
             scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
             scores = tl.where(bad, float("nan"), scores)
@@ -263,6 +282,37 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@triton.jit
+def maxsim_dense_nomask_fp16_triton_norm_res4_split_reduce_kernel(
+    Partial,
+    Out,
+    Nq,
+    stride_ob,
+    stride_oc,
+    BLOCK_Q: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
+    DOC_SPLITS: tl.constexpr,
+):
+    # One program per (group of queries, doc): the max over the doc's token ranges of each
+    # row's maximum (NaN kept), then the sum over each query's tokens.
+    pid = tl.program_id(0).to(tl.int64)
+    groups = tl.cdiv(Nq, QUERY_GROUP)
+    group = pid % groups
+    doc = pid // groups
+    rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
+    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    for split in tl.static_range(DOC_SPLITS):
+        part = tl.load(
+            Partial + ((doc * DOC_SPLITS + split) * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows
+        )
+        best = _max_keep_nan(best, part)
+    # A query token with no valid doc token (or none at all) adds 0.
+    best = tl.where(best != float("-inf"), best, 0.0)
+    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
+    group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
+    tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
+
+
 def cdiv(a, b):
     return -(-a // b)
 
@@ -273,9 +323,9 @@ def _dot_config(config):
     return tl.float16, "ieee"
 
 
-def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM):
-    """Programs of the forward: one per (group of queries, block of documents)."""
-    return (cdiv(Nd, DOCS_PER_PROGRAM) * cdiv(Nq, QUERY_GROUP),)
+def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
+    """Programs of the forward: one per (group of queries, block of documents or token range of one)."""
+    return (DOC_SPLITS * cdiv(Nd, DOCS_PER_PROGRAM) * cdiv(Nq, QUERY_GROUP),)
 
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
@@ -292,8 +342,20 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
     Ld = codes.shape[1]
     n_centroids = centroids.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    # Split docs: every (doc, token range, group)'s row maxima, reduced after the forward.
+    rows = config.query_group * config.block_q
+    splits = config.doc_splits
+    partial = (
+        out
+        if splits == 1
+        else torch.empty(
+            Nd * splits * cdiv(Nq, config.query_group) * rows,
+            dtype=torch.float32,
+            device=out.device,
+        )
+    )
     maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel[
-        forward_grid(Nq, Nd, config.query_group, config.docs_per_program)
+        forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
         Q,
         codes,
@@ -302,6 +364,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         bucket_weights,
         doc_lengths,
         out,
+        partial,
         Nq,
         Nd,
         Lq,
@@ -331,6 +394,21 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,
+        DOC_SPLITS=splits,
     )
 
+    if splits > 1:
+        maxsim_dense_nomask_fp16_triton_norm_res4_split_reduce_kernel[
+            (cdiv(Nq, config.query_group) * Nd,)
+        ](
+            partial,
+            out,
+            Nq,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_Q=config.block_q,
+            QUERY_GROUP=config.query_group,
+            DOC_SPLITS=splits,
+            num_warps=4,
+        )
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: a90dd45f2dc9f633fdc94474cdf23bba0a117ee60daf23602f75c3cacbda4e73
+# body-sha256: de3e8cec12aad5c91e235cfa4cfb223052d1a8e9adb02e057e4d73f741a97d61
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp32_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -110,6 +110,7 @@ def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     TOKEN_K: tl.constexpr,
     TOKEN_SLOTS: tl.constexpr,
@@ -151,7 +152,8 @@ def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_fwd_kernel(
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, TOKEN_K, TOKEN_SLOTS)
 
     best, saved = _score_finish(state_a, state_b, 1.0, TOKEN_K, TOKEN_SLOTS)
@@ -420,6 +422,7 @@ def launch(out, Q, D, *, token_k, token_slots, saved, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
+        EVEN_LD=Ld % config.block_l == 0,
         TOKEN_K=token_k,
         TOKEN_SLOTS=token_slots,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e5b1e6885f2f0af4a8b3ce4406d060369dc192d82621e7de7d9daee27a5e9465
+# body-sha256: 0fc442958b6127ba116df312a2960e8b2759ecea69e525fdd104feace350c256
 
 """MaxSim forward for maxsim_dense_nomask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -61,6 +61,8 @@ def maxsim_dense_nomask_fp8_triton_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
+    D_SCALE_PER_TOKEN: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
@@ -101,16 +103,21 @@ def maxsim_dense_nomask_fp8_triton_fwd_kernel(
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        d_token_scale = tl.load(
-            scale_D + d_scale_base + offs_t * stride_sdt, mask=offs_t < d_len, other=0.0
-        )
-        sim = sim * d_token_scale[None, :]
+        if D_SCALE_PER_TOKEN:
+            d_token_scale = tl.load(
+                scale_D + d_scale_base + offs_t * stride_sdt, mask=offs_t < d_len, other=0.0
+            )
+            sim = sim * d_token_scale[None, :]
         t_valid = offs_t < d_len
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
         best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
     best = best * q_token_scale
+    if not D_SCALE_PER_TOKEN:
+        # One scale for all of the doc's tokens commutes with the max: applied once here.
+        best = best * tl.load(scale_D + d_scale_base)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
@@ -177,6 +184,8 @@ def launch(out, Q, D, scale_Q, scale_D, *, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
+        EVEN_LD=Ld % config.block_l == 0,
+        D_SCALE_PER_TOKEN=scale_D.stride(-1) != 0 and Ld > 1,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: a3f13378db1fd75815039e4191fc0fcfd16f3a0e7b01999bc941eb40c728af54
+# body-sha256: da8f050a9dfabcaf7671e08cb42f67138b1215926a83530fc81ff52eb528de24
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -92,6 +92,7 @@ def maxsim_dense_qmask_bf16_triton_norm_weighted_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
@@ -139,7 +140,8 @@ def maxsim_dense_qmask_bf16_triton_norm_weighted_fwd_kernel(
         sim = sim * q_scale[:, None] * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, 1, 1)
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
@@ -213,6 +215,7 @@ def launch(out, Q, D, W, q_mask, *, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8a108eaf2c2a6523f8ce61c689396ddebbdd81b7f9162e25a83e4955135ea1db
+# body-sha256: dbd229f6c65340b36bc9c18f90a67d44cbdd5479ec86783eb1e844332f9bad43
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -107,6 +107,7 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
@@ -153,7 +154,8 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_fwd_kernel(
         sim = sim * q_scale[:, None] * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, tau, 1, 1)
 
     best, saved = _score_finish(state_a, state_b, tau, 1, 1)
@@ -431,6 +433,7 @@ def launch(out, Q, D, q_mask, *, tau, saved, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f8e01e3f7e02a76cdbb3b122e25a5f8a85aae26c21f364551fad6ace4f22e875
+# body-sha256: dfeb50313a3ca452a7b7d37c40fcfa25ecc0ee47de7895b6693db1c441a974c5
 
 """MaxSim forward for maxsim_kd_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -62,6 +62,7 @@ def maxsim_kd_nomask_fp32_triton_norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -92,7 +93,8 @@ def maxsim_kd_nomask_fp32_triton_norm_fwd_kernel(
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
         best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
@@ -156,6 +158,7 @@ def launch(out, Q, D, *, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: afbfb969b0392143d545edee0abed3622bfff177f8ed3c3a2687d28791ad00a9
+# body-sha256: 1d5c287f590d9ebe69145ef71ddc0905b7b07ad08f9260b725d7ea31c69c39f6
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -57,6 +57,7 @@ def maxsim_kd_qmask_bf16_triton_unified_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -92,7 +93,8 @@ def maxsim_kd_qmask_bf16_triton_unified_fwd_kernel(
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # Strict > keeps the earliest doc token on ties, across tiles as within one.
         tile_best, tile_index = tl.max(
             sim, axis=1, return_indices=True, return_indices_tie_break_left=True
@@ -265,6 +267,7 @@ def launch(out, Q, D, q_mask, *, argmax, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

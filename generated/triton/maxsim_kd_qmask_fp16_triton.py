@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 05460afc80f80457d4a9f31a0ad73f2d4827e8e8b6dc4e6a8cb3f9e7b1972459
+# body-sha256: 0b1985763883665f02f35baab3eee622c338fe8dfcd57e95766a1786814b76e9
 
 """MaxSim forward for maxsim_kd_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -59,6 +59,7 @@ def maxsim_kd_qmask_fp16_triton_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -89,7 +90,8 @@ def maxsim_kd_qmask_fp16_triton_fwd_kernel(
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = offs_t < d_len
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
         best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
@@ -155,6 +157,7 @@ def launch(out, Q, D, q_mask, *, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: ef227dec832aa1eef8b7c1a616c737b0684b56da9e9e58729c4694001626a68d
+# body-sha256: 1ccea12f98da1be496799fdf42c0293a982abd53eb159531c3e9427f89d456e7
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -81,6 +81,7 @@ def maxsim_pairs_nomask_fp16_triton_weighted_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -113,7 +114,8 @@ def maxsim_pairs_nomask_fp16_triton_weighted_fwd_kernel(
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, 1, 1)
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
@@ -177,6 +179,7 @@ def launch(out, Q, D, W, *, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 1d68cb56209c9124ec2dca17be54ca7803a6ba0153f5b300727ae33b71cce07f
+# body-sha256: b7996b9ffb044a9ba608dc650abaa66de1120560ee2b67385abb8c536aa65d5a
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp32_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -128,6 +128,7 @@ def maxsim_pairs_qmask_fp32_triton_norm_lowmem_topkmean_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     TOKEN_K: tl.constexpr,
     TOKEN_SLOTS: tl.constexpr,
 ):
@@ -168,7 +169,8 @@ def maxsim_pairs_qmask_fp32_triton_norm_lowmem_topkmean_fwd_kernel(
         sim = sim * q_scale[:, None] * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, TOKEN_K, TOKEN_SLOTS)
 
     best, saved = _score_finish(state_a, state_b, 1.0, TOKEN_K, TOKEN_SLOTS)
@@ -441,6 +443,7 @@ def launch(out, Q, D, q_mask, *, token_k, token_slots, saved, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
         TOKEN_K=token_k,
         TOKEN_SLOTS=token_slots,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 60129acedc03a46edacdb8819cf723248e4e3c7ab2a91567739db29331ed4b80
+# body-sha256: a602ba0efbd0b0766aa3d2cd028fcd5606d5b9ec39b443d374587f8201c89697
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp32_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -105,6 +105,7 @@ def maxsim_pairs_qmask_fp32_triton_norm_lowmem_weighted_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -144,7 +145,8 @@ def maxsim_pairs_qmask_fp32_triton_norm_lowmem_weighted_fwd_kernel(
         sim = sim * q_scale[:, None] * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, 1, 1)
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
@@ -424,6 +426,7 @@ def launch(out, Q, D, W, q_mask, *, saved, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp32_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 1b12bffc1a6b97ba07b6324b0318b07c0923d499259eedf1bcba21f2ccc9daac
+# body-sha256: 15e2541327c89271ab1c7cb71c5f6b740da4e74523eebbb8ddb2e7408d09307a
 
 """MaxSim forward for maxsim_pairs_qmask_fp32_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -112,6 +112,7 @@ def maxsim_pairs_qmask_fp32_triton_norm_topkmean_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     TOKEN_K: tl.constexpr,
     TOKEN_SLOTS: tl.constexpr,
 ):
@@ -152,7 +153,8 @@ def maxsim_pairs_qmask_fp32_triton_norm_topkmean_fwd_kernel(
         sim = sim * q_scale[:, None] * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, TOKEN_K, TOKEN_SLOTS)
 
     best, saved = _score_finish(state_a, state_b, 1.0, TOKEN_K, TOKEN_SLOTS)
@@ -215,6 +217,7 @@ def launch(out, Q, D, q_mask, *, token_k, token_slots, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        EVEN_LD=Ld % config.block_l == 0,
         TOKEN_K=token_k,
         TOKEN_SLOTS=token_slots,
     )

@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 67cb6ae8664d4e9c1cfd95730e19d9752f52c4724ade6a105ee16a356f5e10db
+# body-sha256: 1305a0cffb8254c4d76d884d17dd493b5fe56732205c419589890d1c7954a0df
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -67,6 +67,7 @@ def topk_dense_nomask_fp16_triton_norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
@@ -116,7 +117,8 @@ def topk_dense_nomask_fp16_triton_norm_fwd_kernel(
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
             best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
@@ -219,6 +221,7 @@ def launch(out, Q, D, *, cand_docs, config):
         QUERY_GROUP=config.query_group,
         TOP_K=config.top_k,
         DOCS_PER_PROGRAM=config.docs_per_program,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 33910f63e83950bc4a9a0930a1ec1ffa372b7e7a07c8c38ce07cef3e7f534c7f
+# body-sha256: 04074373cec742888c803e03b31931650d3cbfdec88681a5e064bf50a9eab8b6
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -64,6 +64,7 @@ def topk_dense_qmask_fp16_triton_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
@@ -113,7 +114,8 @@ def topk_dense_qmask_fp16_triton_fwd_kernel(
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
             best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
@@ -218,6 +220,7 @@ def launch(out, Q, D, q_mask, *, cand_docs, config):
         QUERY_GROUP=config.query_group,
         TOP_K=config.top_k,
         DOCS_PER_PROGRAM=config.docs_per_program,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out

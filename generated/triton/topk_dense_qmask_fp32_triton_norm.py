@@ -2,7 +2,7 @@
 # variant: topk_dense_qmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c277ca60fabc78012bad832ea22b50c9b1e3b5f375da19ffd4ebe72f1e3a68ae
+# body-sha256: 6073ff5483861484fb864374630ad9413a3db7212f9300f27d2429b0ac7477c1
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -70,6 +70,7 @@ def topk_dense_qmask_fp32_triton_norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     TOP_K: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
@@ -121,7 +122,8 @@ def topk_dense_qmask_fp32_triton_norm_fwd_kernel(
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
             best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
@@ -227,6 +229,7 @@ def launch(out, Q, D, q_mask, *, cand_docs, config):
         QUERY_GROUP=config.query_group,
         TOP_K=config.top_k,
         DOCS_PER_PROGRAM=config.docs_per_program,
+        EVEN_LD=Ld % config.block_l == 0,
     )
 
     return out
