@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 589248a557df20cee8fd439c001b4bddf1b4ac2d3c03f63a00a77f4735c12b00
+# body-sha256: c3cf29c54ac8443b3dc78bd3d4b5133af3b38b20afabb30a5a07dbd231e41d6a
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -170,9 +170,14 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
         code_base = doc * stride_cb
         residual_base = doc * stride_rb
 
-        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
-        first = (doc_block % DOC_SPLITS) * span
-        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
+        if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
+            first = 0
+            stop = d_len
+        else:
+            span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+            first = (doc_block % DOC_SPLITS) * span
+            stop = tl.minimum(d_len, first + span)
+        for start in range(first, stop, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(
                 Codes,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 49c8839e461094c58e4be6d3d60685082f642220aac3460028a1d5810e801b87
+# body-sha256: fc1af431d0a8afdef5a431705f823af5f636162061cd16ef888f23268ce8d150
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -103,9 +103,14 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
         d_len = Ld
         d_base = doc * stride_db
 
-        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
-        first = (doc_block % DOC_SPLITS) * span
-        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
+        if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
+            first = 0
+            stop = d_len
+        else:
+            span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+            first = (doc_block % DOC_SPLITS) * span
+            stop = tl.minimum(d_len, first + span)
+        for start in range(first, stop, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 863b4c0d4e191a835aa99996f8d2f7624de172c3c0d31ab772feb861c5a2aea5
+# body-sha256: b10445ce428ff9d50307b0ff42ecf43d1711a9e65615a388f5306b52cb8a0817
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -96,9 +96,14 @@ def maxsim_dense_nomask_fp32_triton_fwd_kernel(
         d_len = Ld
         d_base = doc * stride_db
 
-        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
-        first = (doc_block % DOC_SPLITS) * span
-        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
+        if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
+            first = 0
+            stop = d_len
+        else:
+            span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+            first = (doc_block % DOC_SPLITS) * span
+            stop = tl.minimum(d_len, first + span)
+        for start in range(first, stop, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)

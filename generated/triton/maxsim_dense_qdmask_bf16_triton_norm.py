@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: eb346b491ca715ebc1f5d93b9faa2f59b73a74d78281898d34cb2c2672ef12d2
+# body-sha256: 4c7b0eb50c437ddbdd0fd0ee7c49f622eee56d9e461dd4e8caded8f9a1bb54a2
 
 """MaxSim forward for maxsim_dense_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -112,9 +112,14 @@ def maxsim_dense_qdmask_bf16_triton_norm_fwd_kernel(
 
         d_mask_base = doc * stride_dmb
 
-        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
-        first = (doc_block % DOC_SPLITS) * span
-        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
+        if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
+            first = 0
+            stop = d_len
+        else:
+            span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+            first = (doc_block % DOC_SPLITS) * span
+            stop = tl.minimum(d_len, first + span)
+        for start in range(first, stop, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 798c08e79119f7bf34c9546cb5c5a822a8c13271412c5c933aa89ba1b49d1b91
+# body-sha256: 7d99927b52f212f292dfcdd4aca5e3d8aed123373c0021800fec0f65a1d824ce
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -101,9 +101,14 @@ def maxsim_dense_qmask_bf16_triton_fwd_kernel(
         d_len = Ld
         d_base = doc * stride_db
 
-        span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
-        first = (doc_block % DOC_SPLITS) * span
-        for start in range(first, tl.minimum(d_len, first + span), BLOCK_L):
+        if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
+            first = 0
+            stop = d_len
+        else:
+            span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
+            first = (doc_block % DOC_SPLITS) * span
+            stop = tl.minimum(d_len, first + span)
+        for start in range(first, stop, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
