@@ -117,27 +117,11 @@ def _streamed(config, docs: int, splits: int):
     return dataclasses.replace(config, docs_per_program=docs, doc_splits=splits)
 
 
-# One tuning key serves every Ld, so a doc tile tuned on 1024-token docs can leave most
-# of a shorter doc's last tile empty (Ld 300 in 128-token tiles: 84 padded tokens). When
-# the padding exceeds TAIL_FRACTION of Ld, tiles are halved (down to 64 tokens).
-TAIL_FRACTION = 0.1
-
-
-def _tile_for(config, ld: int):
-    padding = -(-ld // config.block_l) * config.block_l - ld
-    if config.block_l > 64 and padding > TAIL_FRACTION * ld:
-        return dataclasses.replace(config, block_l=config.block_l // 2)
-    return config
-
-
 def streamed(config, nq: int, nd: int, ld: int):
     """A streaming kernel's config for one call: blocks of short docs per program, or
-    token ranges of few long docs, in doc tiles that fit Ld."""
+    token ranges of few long docs."""
     blocks = streamed_blocks(config, nq, nd, ld)
-    if blocks > 1:
-        return _streamed(config, blocks, 1)
-    config = _tile_for(config, ld)
-    return _streamed(config, 1, doc_splits(config, nq, nd, ld))
+    return _streamed(config, blocks, doc_splits(config, nq, nd, ld) if blocks == 1 else 1)
 
 
 def _remember(config, fitted) -> None:

@@ -59,15 +59,6 @@ def test_only_few_long_docs_split_into_token_ranges():
     assert (streamed.docs_per_program, streamed.doc_splits) == (1, 1)
 
 
-def test_doc_tiles_shrink_when_the_last_one_is_mostly_padding():
-    config = LaunchConfig(32, 128, 128, 4, 2)
-    assert dispatch.streamed(config, nq=1, nd=1000, ld=300).block_l == 64  # 84 padded -> 20
-    assert dispatch.streamed(config, nq=1, nd=1000, ld=1024).block_l == 128  # no padding
-    assert dispatch.streamed(config, nq=1, nd=1000, ld=1000).block_l == 128  # 24 of 1000
-    small = LaunchConfig(32, 64, 128, 4, 2)
-    assert dispatch.streamed(small, nq=1, nd=1000, ld=300).block_l == 64  # never below 64
-
-
 def test_only_short_docs_stream_in_blocks():
     # Docs of at most two tiles stream (sized for ~1024 programs, capped at 64 per
     # program); longer docs keep one program per doc, and so do calls already that wide.
