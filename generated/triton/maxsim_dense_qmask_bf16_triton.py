@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7d99927b52f212f292dfcdd4aca5e3d8aed123373c0021800fec0f65a1d824ce
+# body-sha256: 6fdc900806059cebe14b6cf53adceffe8a337c33ce34a274ce2d5739ffd9ee60
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -108,7 +108,18 @@ def maxsim_dense_qmask_bf16_triton_fwd_kernel(
             span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
             first = (doc_block % DOC_SPLITS) * span
             stop = tl.minimum(d_len, first + span)
-        for start in range(first, stop, BLOCK_L):
+        # Whole tiles need no length mask; a partial last tile is scored once, after them.
+        whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
+        for start in range(first, whole_stop, BLOCK_L):
+            offs_t = start + tl.arange(0, BLOCK_L)
+            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            t_valid = offs_t < d_len
+            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+        if whole_stop < stop:
+            start = whole_stop
             offs_t = start + tl.arange(0, BLOCK_L)
             tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
