@@ -31,6 +31,7 @@ class LaunchConfig:
     top_k: int = 1  # candidates kept per query and doc block (top-k epilogue)
     docs_per_program: int = 256  # docs one top-k program walks
     doc_splits: int = 1  # token ranges each doc of a streaming forward splits into
+    peel_tail: bool = False  # streaming forward: a partial last doc tile after the loop
     interpret: bool = False
 
 

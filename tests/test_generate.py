@@ -150,7 +150,7 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
         "BLOCK_Q: tl.constexpr", "BLOCK_L: tl.constexpr", "BLOCK_K: tl.constexpr",
         "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr", "EVEN_LD: tl.constexpr",
         "QUERY_GROUP: tl.constexpr", "DOCS_PER_PROGRAM: tl.constexpr",
-        "DOC_SPLITS: tl.constexpr",
+        "DOC_SPLITS: tl.constexpr", "PEEL_TAIL: tl.constexpr",
     ]  # fmt: skip
     kd = signature("maxsim_kd_qdmask_bf16_triton")
     assert kd[:5] == ["Q", "D", "q_mask", "d_mask", "Out"]

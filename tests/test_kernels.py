@@ -73,15 +73,18 @@ def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 4])
+@pytest.mark.parametrize("peel", [False, True])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]
 )
-def test_split_long_docs(monkeypatch, name, splits):
+def test_split_long_docs(monkeypatch, name, splits, peel):
     # Few long docs split into token ranges whose row maxima a second kernel reduces:
     # Ld 77 is three tiles, so 4 ranges leave one empty; doc 0 is fully masked (scores 0)
-    # and one doc token is NaN (its doc scores NaN whichever range holds it).
+    # and one doc token is NaN (its doc scores NaN whichever range holds it). With peel,
+    # whole tiles skip the length mask and the partial last tile is scored after them.
     monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld: splits)
+    monkeypatch.setattr(dispatch, "PEEL_MIN_TILES", 1 if peel else 10**6)
     variant = Variant.parse(name)
     generator = torch.Generator().manual_seed(9)
     Q, D, q_mask, d_mask, shape, _ = _case(variant, 5, 3, 7, 77, 48, generator)

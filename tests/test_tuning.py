@@ -59,6 +59,14 @@ def test_only_few_long_docs_split_into_token_ranges():
     assert (streamed.docs_per_program, streamed.doc_splits) == (1, 1)
 
 
+def test_long_docs_with_a_partial_tile_peel_it():
+    config = LaunchConfig(32, 64, 128, 8, 3)
+    assert dispatch.streamed(config, nq=256, nd=256, ld=300).peel_tail  # 4 whole + 44
+    assert not dispatch.streamed(config, nq=256, nd=256, ld=256).peel_tail  # no partial tile
+    assert not dispatch.streamed(config, nq=256, nd=256, ld=200).peel_tail  # 3 whole tiles
+    assert not dispatch.streamed(config, nq=16, nd=10**5, ld=100).peel_tail  # streamed blocks
+
+
 def test_only_short_docs_stream_in_blocks():
     # Docs of at most two tiles stream (sized for ~1024 programs, capped at 64 per
     # program); longer docs keep one program per doc, and so do calls already that wide.

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 850b36ddb1babb86040c9d17b19c0dbc59b63f395dfca31c6445c3bbac88511d
+# body-sha256: 423a9256ad22311a477fd03cbde3625c45285caab305c2f9fec57f0f2fc5dc37
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -67,6 +67,7 @@ def maxsim_dense_nomask_bf16_triton_norm_fwd_kernel(
     QUERY_GROUP: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    PEEL_TAIL: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -110,28 +111,46 @@ def maxsim_dense_nomask_bf16_triton_norm_fwd_kernel(
             span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
             first = (doc_block % DOC_SPLITS) * span
             stop = tl.minimum(d_len, first + span)
-        # Whole tiles need no length mask; a partial last tile is scored once, after them.
-        whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
-        for start in range(first, whole_stop, BLOCK_L):
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-            t_valid = offs_t < d_len
-            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+        if PEEL_TAIL:
+            # Whole tiles need no length mask; the partial last tile is scored once, after
+            # them (its load is not pipelined: worth it only for docs of several tiles).
+            whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
+            for start in range(first, whole_stop, BLOCK_L):
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-        if whole_stop < stop:
-            start = whole_stop
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-            t_valid = offs_t < d_len
-            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
-                sim = tl.where(t_valid[None, :], sim, float("-inf"))
-            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+            if whole_stop < stop:
+                start = whole_stop
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                if (
+                    not EVEN_LD
+                ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+        else:
+            for start in range(first, stop, BLOCK_L):
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                if (
+                    not EVEN_LD
+                ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
         if DOC_SPLITS == 1:
             final = best * q_scale
@@ -292,6 +311,7 @@ def launch(out, Q, D, *, config):
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,
         DOC_SPLITS=splits,
+        PEEL_TAIL=config.peel_tail,
         EVEN_LD=Ld % config.block_l == 0,
     )
 

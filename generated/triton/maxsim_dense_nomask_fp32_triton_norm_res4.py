@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c9d2ffcee05f5655154887c9180b836dff19950720799002ac41cdfb0a4cf68d
+# body-sha256: ed448c1150ee6b0c960505321b10c2ed072a7e2179506f269f1899122e3ceac5
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -129,6 +129,7 @@ def maxsim_dense_nomask_fp32_triton_norm_res4_fwd_kernel(
     QUERY_GROUP: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    PEEL_TAIL: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -177,63 +178,94 @@ def maxsim_dense_nomask_fp32_triton_norm_res4_fwd_kernel(
             span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
             first = (doc_block % DOC_SPLITS) * span
             stop = tl.minimum(d_len, first + span)
-        # Whole tiles need no length mask; a partial last tile is scored once, after them.
-        whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
-        for start in range(first, whole_stop, BLOCK_L):
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(
-                Codes,
-                Residuals,
-                Centroids,
-                BucketWeights,
-                code_base,
-                residual_base,
-                offs_t,
-                offs_k,
-                d_len,
-                dim,
-                stride_ct,
-                stride_rt,
-                stride_rp,
-                stride_centn,
-                stride_centk,
-                stride_wb,
-                n_centroids,
-            )
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-            t_valid = offs_t < d_len
-            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+        if PEEL_TAIL:
+            # Whole tiles need no length mask; the partial last tile is scored once, after
+            # them (its load is not pipelined: worth it only for docs of several tiles).
+            whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
+            for start in range(first, whole_stop, BLOCK_L):
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(
+                    Codes,
+                    Residuals,
+                    Centroids,
+                    BucketWeights,
+                    code_base,
+                    residual_base,
+                    offs_t,
+                    offs_k,
+                    d_len,
+                    dim,
+                    stride_ct,
+                    stride_rt,
+                    stride_rp,
+                    stride_centn,
+                    stride_centk,
+                    stride_wb,
+                    n_centroids,
+                )
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-        if whole_stop < stop:
-            start = whole_stop
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(
-                Codes,
-                Residuals,
-                Centroids,
-                BucketWeights,
-                code_base,
-                residual_base,
-                offs_t,
-                offs_k,
-                d_len,
-                dim,
-                stride_ct,
-                stride_rt,
-                stride_rp,
-                stride_centn,
-                stride_centk,
-                stride_wb,
-                n_centroids,
-            )
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-            t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
-            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+            if whole_stop < stop:
+                start = whole_stop
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(
+                    Codes,
+                    Residuals,
+                    Centroids,
+                    BucketWeights,
+                    code_base,
+                    residual_base,
+                    offs_t,
+                    offs_k,
+                    d_len,
+                    dim,
+                    stride_ct,
+                    stride_rt,
+                    stride_rp,
+                    stride_centn,
+                    stride_centk,
+                    stride_wb,
+                    n_centroids,
+                )
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+        else:
+            for start in range(first, stop, BLOCK_L):
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(
+                    Codes,
+                    Residuals,
+                    Centroids,
+                    BucketWeights,
+                    code_base,
+                    residual_base,
+                    offs_t,
+                    offs_k,
+                    d_len,
+                    dim,
+                    stride_ct,
+                    stride_rt,
+                    stride_rp,
+                    stride_centn,
+                    stride_centk,
+                    stride_wb,
+                    n_centroids,
+                )
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
         if DOC_SPLITS == 1:
             final = best * q_scale
@@ -430,6 +462,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,
         DOC_SPLITS=splits,
+        PEEL_TAIL=config.peel_tail,
     )
 
     if splits > 1:

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 13580bba65f3a5499629dec7dcdd80fbb41c30146f135d5321c1818944174e03
+# body-sha256: 1c4b5f0198156caa1d2c3a9d1381a80e608ad030f87dc9dd09665259cd54b26d
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -66,6 +66,7 @@ def maxsim_dense_qdmask_fp16_triton_fwd_kernel(
     QUERY_GROUP: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    PEEL_TAIL: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -112,32 +113,53 @@ def maxsim_dense_qdmask_fp16_triton_fwd_kernel(
             span = tl.cdiv(tl.cdiv(d_len, DOC_SPLITS), BLOCK_L) * BLOCK_L  # whole tiles per range
             first = (doc_block % DOC_SPLITS) * span
             stop = tl.minimum(d_len, first + span)
-        # Whole tiles need no length mask; a partial last tile is scored once, after them.
-        whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
-        for start in range(first, whole_stop, BLOCK_L):
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            t_valid = (offs_t < d_len) & (
-                tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0)
-                != 0
-            )
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
-            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+        if PEEL_TAIL:
+            # Whole tiles need no length mask; the partial last tile is scored once, after
+            # them (its load is not pipelined: worth it only for docs of several tiles).
+            whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
+            for start in range(first, whole_stop, BLOCK_L):
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                t_valid = (offs_t < d_len) & (
+                    tl.load(
+                        d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0
+                    )
+                    != 0
+                )
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-        if whole_stop < stop:
-            start = whole_stop
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            t_valid = (offs_t < d_len) & (
-                tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0)
-                != 0
-            )
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
-            # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+            if whole_stop < stop:
+                start = whole_stop
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                t_valid = (offs_t < d_len) & (
+                    tl.load(
+                        d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0
+                    )
+                    != 0
+                )
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+        else:
+            for start in range(first, stop, BLOCK_L):
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                t_valid = (offs_t < d_len) & (
+                    tl.load(
+                        d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0
+                    )
+                    != 0
+                )
+                sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
         if DOC_SPLITS == 1:
             final = best
@@ -307,6 +329,7 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,
         DOC_SPLITS=splits,
+        PEEL_TAIL=config.peel_tail,
     )
 
     if splits > 1:
