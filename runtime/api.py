@@ -74,7 +74,7 @@ def maxsim(
     Q3 = Q.unsqueeze(0) if squeeze_query else Q
     Nq, Lq = Q3.shape[0], Q3.shape[1]
     q_expected = (Lq,) if squeeze_query else (Nq, Lq)
-    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device, f"{list(q_expected)}")
+    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device)
     if q_mask is not None and squeeze_query:
         q_mask = q_mask.unsqueeze(0)
 
@@ -90,7 +90,7 @@ def maxsim(
         squeeze_doc = D.dim() == 2
         layout, D3 = "dense", D.unsqueeze(0) if squeeze_doc else D
         d_expected = tuple(D.shape[:-1])
-    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device, f"{list(d_expected)}")
+    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device)
     if d_mask is not None and squeeze_doc:
         d_mask = d_mask.unsqueeze(0)
 

@@ -234,20 +234,26 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
     module = registry.load(name)
     lq = Q.shape[1]
     per_token = {key: value for key, value in per_token.items() if value is not None}
-    for start, stop in _chunks(lq) or [(0, 0)]:
-        config = _config(name, module, Q, stop - start, out.numel(), docs=docs,
-                         doc_tokens=doc_tokens)  # fmt: skip
-        if adjust is not None:
-            config = adjust(config)
-        whole = stop - start == lq  # the common case: no slicing on the hot path
-        sliced = per_token if whole else {k: v[..., start:stop] for k, v in per_token.items()}
+    sizes = {"docs": docs, "doc_tokens": doc_tokens, "adjust": adjust}
+    if lq <= LQ_CHUNK:  # one launch, no slicing: the common case (this runs every call)
+        return _launch_chunk(name, module, out, Q, shared, per_token, **sizes)
+    for start, stop in _chunks(lq):
+        sliced = {k: v[..., start:stop] for k, v in per_token.items()}
         target = out if start == 0 else torch.empty_like(out)
-        _, fitted = _launch(module.launch, config, target, Q=Q if whole else Q[:, start:stop],
-                            **shared, **sliced)  # fmt: skip
-        if fitted is not config:
-            _remember(config, fitted)
+        _launch_chunk(name, module, target, Q[:, start:stop], shared, sliced, **sizes)
         if start > 0:
             out += target
+    return out
+
+
+def _launch_chunk(name, module, out, Q, shared, per_token, *, docs, doc_tokens, adjust):
+    """One launch of variant `name` into out, with the config its key (and adjust) gives."""
+    config = _config(name, module, Q, Q.shape[1], out.numel(), docs=docs, doc_tokens=doc_tokens)
+    if adjust is not None:
+        config = adjust(config)
+    _, fitted = _launch(module.launch, config, out, Q=Q, **shared, **per_token)
+    if fitted is not config:
+        _remember(config, fitted)
     return out
 
 

@@ -262,8 +262,8 @@ def maxsim_inference_fp8(
     scale_Q = _check_scale("scale_Q", scale_Q, Q, "Q", tuple(Q.shape[:-1]))
     scale_D = _check_scale("scale_D", scale_D, D, "D", tuple(D.shape[:-1]))
     q_shape, d_shape = tuple(Q.shape[:-1]), tuple(D.shape[:-1])
-    q_mask = validate.mask("q_mask", q_mask, q_shape, Q.device, f"{list(q_shape)}")
-    d_mask = validate.mask("d_mask", d_mask, d_shape, D.device, f"{list(d_shape)}")
+    q_mask = validate.mask("q_mask", q_mask, q_shape, Q.device)
+    d_mask = validate.mask("d_mask", d_mask, d_shape, D.device)
 
     squeeze_query, squeeze_doc = Q.dim() == 2, D.dim() == 2
     Q3 = Q.unsqueeze(0) if squeeze_query else Q

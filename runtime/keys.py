@@ -7,6 +7,7 @@ dim and the query length enter only as buckets, so new shapes reuse compiled ker
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -61,6 +62,7 @@ def gpu_family(device: torch.device) -> str:
     return "older"
 
 
+@functools.cache  # a handful of distinct names; looked up every call
 def variant_name(
     layout: str,
     has_q_mask: bool,

@@ -169,7 +169,7 @@ def _validated(Q, D, top_k, q_mask, d_mask, chunk):
     validate.head_dims(Q, D)
     _check_document_count(D.shape[0])
     d_expected = tuple(D.shape[:2])
-    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device, f"{list(d_expected)}")
+    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device)
     return top_k, chunk, d_mask
 
 
@@ -197,7 +197,7 @@ def _top_k_in_kernel(Q, D, k, q_mask, d_mask, normalize, sorted):
     each doc block's k best per query ever reach memory (no [Nq, Nd] buffer)."""
     Q3 = Q if Q.dim() == 3 else Q[None]
     q_expected = tuple(Q.shape[:-1])
-    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device, f"{list(q_expected)}")
+    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device)
     qm = q_mask if q_mask is None or Q.dim() == 3 else q_mask[None]
     scores, docs = dispatch.topk_candidates(Q3, D, qm, d_mask, normalize, k)
     rows = Q3.shape[0]

@@ -48,11 +48,18 @@ def head_dims(Q: torch.Tensor, D: torch.Tensor) -> None:
 
 
 def mask(
-    name: str, value: object, expected: tuple[int, ...], device: torch.device, layout_doc: str
+    name: str,
+    value: object,
+    expected: tuple[int, ...],
+    device: torch.device,
+    layout_doc: str | None = None,
 ) -> torch.Tensor | None:
-    """A bool (or integer, nonzero = valid) mask of exactly the expected shape, or None."""
+    """A bool (or integer, nonzero = valid) mask of exactly the expected shape, or None.
+    layout_doc names the axes for error messages (default: the expected sizes)."""
     if value is None:
         return None
+    if layout_doc is None:  # formatted only here: masks are None on most calls
+        layout_doc = f"{list(expected)}"
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a bool tensor {layout_doc}, got {type(value).__name__}")
     if value.dtype.is_floating_point or value.dtype.is_complex:

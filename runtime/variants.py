@@ -158,8 +158,8 @@ def _score(call: _Call, Q, D, weights, q_mask, d_mask) -> torch.Tensor:
     if pairs and Nq != Nd:
         raise ValueError(f"pairs=True needs one doc per query: Q has B={Nq}, D has {Nd}")
     q_shape = (Lq,) if squeeze else (Nq, Lq)
-    q_mask = validate.mask("q_mask", q_mask, q_shape, Q.device, f"{list(q_shape)}")
-    d_mask = validate.mask("d_mask", d_mask, (Nd, Ld), D.device, f"{[Nd, Ld]}")
+    q_mask = validate.mask("q_mask", q_mask, q_shape, Q.device)
+    d_mask = validate.mask("d_mask", d_mask, (Nd, Ld), D.device)
     if weights is not None:
         weights = _weights(weights, q_shape, Q.device)
     if squeeze:
