@@ -134,13 +134,6 @@ def streamed(config, nq: int, nd: int, ld: int):
     return _streamed(config, 1, doc_splits(config, nq, nd, ld), peel)
 
 
-def _remember(config, fitted) -> None:
-    """Every cached key that holds `config` gets the config that fitted instead."""
-    for key, value in list(_configs.items()):
-        if value is config:
-            _configs[key] = fitted
-
-
 def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=0, doc_tokens=0):
     """The launch config of a call, looked up once per key (a dict hit afterwards: this
     runs on every call, and a rerank kernel takes ~30 us). `docs` and `doc_tokens` (Nd
@@ -168,19 +161,31 @@ def _smaller(config):
     return None
 
 
+# Configs that did not fit this process's GPU -> the smaller config that did. Empty on
+# the GPUs the table was tuned for, so the hot path pays only a truth test.
+_fitted: dict = {}
+
+
 def _launch(launch, config, *args, **kwargs):
     """Launches; a config that does not fit this GPU (shared memory estimates are not
-    exact: fp32 tf32x3 dots need more) is shrunk step by step and remembered."""
+    exact: fp32 tf32x3 dots need more) is shrunk step by step, and the one that fitted is
+    launched directly next time (per-call derived configs included)."""
+    requested = config
+    if _fitted:
+        config = _fitted.get(requested, requested)
     while True:
         try:
-            return launch(*args, config=config, **kwargs), config
+            result = launch(*args, config=config, **kwargs)
         except Exception as error:
             if type(error).__name__ != "OutOfResources":
                 raise
-            smaller = _smaller(config)
-            if smaller is None:
+            config = _smaller(config)
+            if config is None:
                 raise
-            config = smaller
+            continue
+        if config is not requested:
+            _fitted[requested] = config
+        return result, config
 
 
 def forward(
@@ -251,9 +256,7 @@ def _launch_chunk(name, module, out, Q, shared, per_token, *, docs, doc_tokens, 
     config = _config(name, module, Q, Q.shape[1], out.numel(), docs=docs, doc_tokens=doc_tokens)
     if adjust is not None:
         config = adjust(config)
-    _, fitted = _launch(module.launch, config, out, Q=Q, **shared, **per_token)
-    if fitted is not config:
-        _remember(config, fitted)
+    _launch(module.launch, config, out, Q=Q, **shared, **per_token)
     return out
 
 

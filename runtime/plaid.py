@@ -162,9 +162,7 @@ def _query_chunks(lq: int):
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):
     config = dispatch._config(name, module, Q, lq, out.numel())
-    _, fitted = dispatch._launch(module.launch, config, out, *args, **kwargs)
-    if fitted is not config:
-        dispatch._remember(config, fitted)
+    dispatch._launch(module.launch, config, out, *args, **kwargs)
 
 
 def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):

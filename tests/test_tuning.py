@@ -17,7 +17,9 @@ def test_benchmark_shapes_resolve_to_hopper_entries(shape):
     assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
 
 
-def test_out_of_resources_shrinks_the_config_step_by_step():
+def test_out_of_resources_shrinks_the_config_step_by_step(monkeypatch):
+    monkeypatch.setattr(dispatch, "_fitted", {})
+
     class OutOfResources(Exception):
         pass
 
@@ -34,6 +36,10 @@ def test_out_of_resources_shrinks_the_config_step_by_step():
     assert result == "ok"
     assert [(c.query_group, c.num_stages) for c in tried] == [(4, 3), (2, 3), (1, 3), (1, 2)]
     assert fitted == LaunchConfig(32, 64, 128, 8, 2, query_group=1)
+    # The next launch of the same config goes straight to the one that fitted.
+    tried.clear()
+    assert dispatch._launch(launch, start) == ("ok", fitted)
+    assert tried == [fitted]
 
 
 def test_other_launch_errors_are_not_swallowed():
