@@ -93,7 +93,7 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 # longdoc (16 queries x 32 docs of 8192 tokens) makes 64 programs for 132 SMs. Such docs
 # split into token ranges (DOC_SPLITS) for about SPLIT_TARGET_PROGRAMS programs (two per
 # SM), each range at least SPLIT_MIN_TILES tiles long so its loads still pipeline. On an
-# H200, longdoc's forward went from 0.085 ms (best unsplit config) to 0.067 ms in 4 ranges.
+# H200, longdoc went from 0.090 to 0.058-0.061 ms in 4 ranges (benchmarks/results).
 SPLIT_TARGET_PROGRAMS = 256
 SPLIT_MIN_TILES = 4
 

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4adde39d29b056fb4822e8462ab1d9950a11c75bbb482faabb1e4308d7d40908
+# body-sha256: a44c05425579b9b7c046657edca0793ee93d717b9bac6b2963991c3d5f2638d6
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -112,7 +112,6 @@ def maxsim_dense_nomask_bf16_triton_fwd_kernel(
                 offs_t = start + tl.arange(0, BLOCK_L)
                 tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-                t_valid = offs_t < d_len
                 # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
                 best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 

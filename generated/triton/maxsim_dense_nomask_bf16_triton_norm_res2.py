@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 147edd4d984615e43ff1ce2946d59157ff1a6a8af2e8db3f331c0da700c52843
+# body-sha256: 8280ef9204e0fcc13209fbf2b0f25ca69daa591dbeb8b104b09df049a5ace655
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -205,7 +205,6 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
                 )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-                t_valid = offs_t < d_len
                 # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
                 best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5171be0d944eb027a949d0bab2fb06d6b00b3fe9d54bf6fd71810cfe4cf62987
+# body-sha256: 2c7562bbf16efefd20386e3501c2bc0d4f74fe498242e7b661d2f766d5976881
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -205,7 +205,6 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
                 )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-                t_valid = offs_t < d_len
                 # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
                 best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ed448c1150ee6b0c960505321b10c2ed072a7e2179506f269f1899122e3ceac5
+# body-sha256: 8eb6fddcbc1df29e4f38b324f4525a6566e522d09a56da72f15f75eac4f06b6b
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -205,7 +205,6 @@ def maxsim_dense_nomask_fp32_triton_norm_res4_fwd_kernel(
                 )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-                t_valid = offs_t < d_len
                 # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
                 best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
