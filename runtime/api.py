@@ -20,8 +20,8 @@ _D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
 AUTO_LOWMEM_MIN_PAIRS = 128 * 128
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(Q: torch.Tensor, D: torch.Tensor) -> bool:
+    return (Q.requires_grad or D.requires_grad) and torch.is_grad_enabled()
 
 
 def choose_backward(backward: str | None, layout: str, n_pairs: int) -> str:
@@ -72,31 +72,33 @@ def maxsim(
     validate.head_dims(Q, D)
     squeeze_query = Q.dim() == 2
     Q3 = Q.unsqueeze(0) if squeeze_query else Q
-    Nq, Lq = Q3.shape[0], Q3.shape[1]
-    q_expected = (Lq,) if squeeze_query else (Nq, Lq)
-    q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device)
-    if q_mask is not None and squeeze_query:
-        q_mask = q_mask.unsqueeze(0)
+    if q_mask is not None:  # expected shapes are built only for masks given (a hot path)
+        q_expected = tuple(Q.shape[:-1])
+        q_mask = validate.mask("q_mask", q_mask, q_expected, Q.device)
+        if squeeze_query:
+            q_mask = q_mask.unsqueeze(0)
 
     if D.dim() == 4:
-        if D.shape[0] != Nq:
+        if D.shape[0] != Q3.shape[0]:
             raise ValueError(
-                f"D in the kd layout [Nq, K, Ld, d] must have Nq={Nq} rows like Q, "
+                f"D in the kd layout [Nq, K, Ld, d] must have Nq={Q3.shape[0]} rows like Q, "
                 f"got shape {tuple(D.shape)}"
             )
         layout, D3, squeeze_doc = "kd", D, False
-        d_expected = tuple(D.shape[:3])
     else:
         squeeze_doc = D.dim() == 2
         layout, D3 = "dense", D.unsqueeze(0) if squeeze_doc else D
-        d_expected = tuple(D.shape[:-1])
-    d_mask = validate.mask("d_mask", d_mask, d_expected, D.device)
-    if d_mask is not None and squeeze_doc:
-        d_mask = d_mask.unsqueeze(0)
+    if d_mask is not None:
+        d_mask = validate.mask("d_mask", d_mask, tuple(D.shape[:-1]), D.device)
+        if squeeze_doc:
+            d_mask = d_mask.unsqueeze(0)
 
-    if metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
+    path = dispatch.backend_of(Q)
+    if path == "triton":  # CUDA: the generated kernels (checked first: the common case)
+        out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)
+    elif metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
         out = metal.maxsim(layout, Q3, D3, q_mask, d_mask, normalize)
-    elif dispatch.backend(Q.device) == "reference":
+    elif path == "reference":
         out = maxsim_reference(Q3, D3, q_mask, d_mask, normalize=normalize).float()
     else:
         out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)

@@ -41,6 +41,14 @@ def backend(device: torch.device) -> str:
     return "reference"
 
 
+def backend_of(tensor: torch.Tensor) -> str:
+    """backend(tensor.device), with the CUDA case first and without building a device
+    object: this runs on every call."""
+    if tensor.is_cuda and TRITON_AVAILABLE:
+        return "triton"
+    return backend(tensor.device)
+
+
 def describe_backend(device: torch.device | str) -> str:
     device = torch.device(device)
     if metal.handles(device):
@@ -134,10 +142,12 @@ def streamed(config, nq: int, nd: int, ld: int):
     return _streamed(config, 1, doc_splits(config, nq, nd, ld), peel)
 
 
-def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=0, doc_tokens=0):
-    """The launch config of a call, looked up once per key (a dict hit afterwards: this
-    runs on every call, and a rerank kernel takes ~30 us). `docs` and `doc_tokens` (Nd
-    and Ld) size the doc blocks, or the token ranges, of kernels that stream docs."""
+def _keyed_config(
+    name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int, doc_tokens: int
+):
+    """The launch config of a call: its tuning key's config (looked up once per key), then,
+    for kernels that stream docs, the doc blocks or token ranges `docs` and `doc_tokens`
+    (Nd and Ld) call for."""
     queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
     cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries)
     config = _configs.get(cache_key)
@@ -147,6 +157,26 @@ def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
     if getattr(module, "DOC_STREAM", False):
         config = streamed(config, Q.shape[0], docs, doc_tokens)
+    return config
+
+
+# Each call's config by its exact sizes: shapes repeat from call to call, so the hot path
+# is one dict hit instead of bucketing and the per-call derivations (a rerank kernel takes
+# ~30 us; every microsecond of host work per call shows on small calls). Cleared when
+# full, so a stream of distinct shapes cannot grow it without bound.
+_call_configs: dict[tuple, object] = {}
+CALL_CONFIG_CACHE_SIZE = 4096
+
+
+def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=0, doc_tokens=0):
+    """The launch config of a call (see _keyed_config), remembered per call shape."""
+    call = (name, Q.get_device(), Q.shape[0], Q.shape[-1], lq, programs, docs, doc_tokens)
+    config = _call_configs.get(call)
+    if config is None:
+        if len(_call_configs) >= CALL_CONFIG_CACHE_SIZE:
+            _call_configs.clear()
+        config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens)
+        _call_configs[call] = config
     return config
 
 

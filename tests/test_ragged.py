@@ -178,6 +178,7 @@ def test_distinct_maxima_share_one_kernel_entry():
     """Five different max lengths in one Lq bucket reuse one launch-config entry (one
     compiled kernel: the sizes are not specialized on)."""
     dispatch._configs.clear()
+    dispatch._call_configs.clear()
     for longest in (17, 20, 23, 29, 31):
         Q, D, cu_q, cu_d = _batch(longest, 2, 2, max_len=longest)
         cu_q = _offsets([longest, 3])

@@ -803,6 +803,7 @@ def run_concurrent_new_buckets(monkeypatch, device, threads=8):
     and config cache): returns ({module: times imported}, [relative error per caller])."""
     monkeypatch.setattr(registry, "_modules", {})
     monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
     imports = collections.Counter()
     real_import = importlib.import_module
 

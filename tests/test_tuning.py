@@ -81,3 +81,28 @@ def test_only_short_docs_stream_in_blocks():
     assert dispatch.streamed_blocks(config, nq=16, nd=8192, ld=100) == 32
     assert dispatch.streamed_blocks(config, nq=256, nd=256, ld=300) == 1  # five tiles
     assert dispatch.streamed_blocks(config, nq=1, nd=1000, ld=128) == 1  # 1000 programs
+
+
+def test_call_configs_are_remembered_per_call_shape_and_bounded(monkeypatch):
+    import torch
+
+    from lik.runtime import registry
+
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(dispatch, "CALL_CONFIG_CACHE_SIZE", 3)
+    name = "maxsim_dense_nomask_fp32_triton"
+    module = registry.load(name)
+    Q = torch.randn(16, 32, 128)
+
+    def config(nd, ld):
+        return dispatch._config(name, module, Q, 32, 16 * nd, docs=nd, doc_tokens=ld)
+
+    long_docs = config(32, 8192)
+    assert long_docs.doc_splits > 1  # the per-call derivation is part of what is cached
+    assert config(32, 8192) is long_docs and len(dispatch._call_configs) == 1
+    short_docs = config(32, 128)  # same tuning key, other sizes: its own derivation
+    assert short_docs.doc_splits == 1 and len(dispatch._call_configs) == 2
+    config(33, 128)
+    config(34, 128)  # a fourth shape clears the full cache first
+    assert len(dispatch._call_configs) == 1
+    assert config(32, 8192) == long_docs
