@@ -1,7 +1,8 @@
 """lik: generated kernels for late-interaction (MaxSim) scoring.
 
 The public API lives in ``lik.runtime``; the names most callers need are re-exported here.
-Importing ``lik`` does not import Triton: kernels are loaded on first use.
+Kernels are loaded on first use; where a GPU launch can follow, importing ``lik`` imports
+Triton in a background thread (``lik.runtime.prewarm``, off with LIK_PREWARM=0).
 """
 
 from importlib.metadata import PackageNotFoundError, version

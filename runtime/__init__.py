@@ -6,8 +6,11 @@ retrieve_sharded, MaxSimScorer (search); maxsim_weighted, maxsim_smooth,
 maxsim_topk_mean (other token scores, lik.runtime.variants). Submodules: plaid
 (residual-compressed documents), fp8, head (fused projection head), metal, reference
 (the plain-PyTorch ground truth). describe_backend says which path a device takes.
+Importing it starts lik.runtime.prewarm: Triton's once-per-process start cost, paid in a
+background thread.
 """
 
+from lik.runtime import prewarm
 from lik.runtime.api import maxsim, maxsim_pairs
 from lik.runtime.dispatch import describe_backend
 from lik.runtime.ragged import (
@@ -37,3 +40,5 @@ __all__ = [
     "retrieve_sharded",
     "score_pairs_packed",
 ]
+
+prewarm.start()

@@ -15,6 +15,8 @@ import re
 import threading
 from types import ModuleType
 
+from lik.runtime import prewarm
+
 # The header's hash line, in Python (#) or Metal (//) comments.
 _HASH_LINE = re.compile(r"^(?:#|//) body-sha256: ([0-9a-f]{64})\n\n", re.MULTILINE)
 _lock = threading.Lock()
@@ -64,6 +66,7 @@ def load(name: str) -> ModuleType:
                     "`make generate`"
                 )
             (path,) = entry["files"]
+            prewarm.wait()  # the first kernel of a process: Triton's start-up, done once
             _verify(name, path)
             _modules[name] = importlib.import_module(f"lik.generated.triton.{name}")
         return _modules[name]

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def _run(args, cwd, **kw):
+def _run(args, cwd, extra_env=None, **kw):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(extra_env or {})
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, **kw)
 
 
@@ -38,11 +39,38 @@ def test_imports():
     assert isinstance(lik.__version__, str)
 
 
-def test_import_does_not_load_triton(tmp_path):
+def test_import_without_prewarm_does_not_load_triton(tmp_path):
     # Triton is optional (the `triton` extra) and slow to import: kernels load on first use.
     code = "import sys, lik; assert 'triton' not in sys.modules, 'import lik imported triton'"
-    proc = _run([sys.executable, "-c", code], cwd=tmp_path)
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path, extra_env={"LIK_PREWARM": "0"})
     assert proc.returncode == 0, proc.stderr
+
+
+def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_path):
+    code = (
+        "import threading, lik\n"
+        "(thread,) = [t for t in threading.enumerate() if t.name == 'lik-prewarm']\n"
+        "assert thread.daemon\n"
+        "lik.runtime.prewarm.wait()  # what the first kernel load does\n"
+        "assert not thread.is_alive()\n"
+        "from triton.runtime.cache import triton_key\n"
+        "assert triton_key.cache_info().currsize == 1, 'the warm-up did not key the cache'\n"
+    )
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path, extra_env={"LIK_PREWARM": "1"})
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "cuda", "expected"),
+    [("0", "12.8", False), ("1", None, True), ("", None, False), ("", "12.8", True)],
+)
+def test_prewarm_runs_where_a_gpu_launch_can_follow(monkeypatch, setting, cuda, expected):
+    from lik.runtime import prewarm
+
+    monkeypatch.setenv(prewarm.ENV, setting)
+    monkeypatch.setattr(prewarm.torch.version, "cuda", cuda)
+    monkeypatch.setattr(prewarm.torch.version, "hip", None)
+    assert prewarm.wanted() is expected  # Triton is installed wherever the tests run
 
 
 @pytest.mark.parametrize(
