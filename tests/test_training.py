@@ -156,3 +156,17 @@ def test_torch_compile_sees_no_graph_break():
     eager.backward()
     assert torch.allclose(loss, eager)
     assert torch.allclose(compiled_grad, head.weight.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e-20, 1e20])
+def test_lowmem_dense_keeps_tiny_and_huge_upstream_gradients(dtype, scale):
+    # A g far from 1 must neither flush to zero nor overflow on its way through the
+    # one-hot dots (folding g into a 16-bit operand would, in fp16).
+    Q, D, q_mask, d_mask, weights = _inputs("dense", dtype, 5, 6, 7, 23, 32, 3, True, False)
+    weights = weights * scale
+    _, gq, gd = _run("dense", Q, D, q_mask, d_mask, weights, False, "lowmem")
+    _, rq, rd = _reference("dense", Q, D, q_mask, d_mask, weights, False)
+    tolerance = _gradient_tolerance(dtype)
+    assert relative_error(gq, rq) < tolerance, f"grad_Q error {relative_error(gq, rq):.3g}"
+    assert relative_error(gd, rd) < tolerance, f"grad_D error {relative_error(gd, rd):.3g}"
