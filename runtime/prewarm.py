@@ -7,7 +7,8 @@ which hashes Triton's own sources and its ~400 MB shared library to key the cach
 daemon thread started when lik is imported does both; the hashing releases the GIL, so
 the caller's own start-up (loading a model, building inputs) goes on beside it, and its
 first call then finds the work done instead of doing it. A first kernel load that comes
-while the thread still runs waits for it rather than redoing its work beside it.
+while the thread still runs waits for it rather than redoing its work beside it, and so
+does a fork (a child must not inherit an import half done by a thread it does not have).
 
 It runs where a kernel launch can follow: Triton installed and torch built for CUDA or
 ROCm. LIK_PREWARM=0 turns it off; LIK_PREWARM=1 forces it (e.g. on a CPU build).
@@ -66,6 +67,8 @@ def start() -> threading.Thread | None:
         return None
     _thread = threading.Thread(target=_warm_quietly, name="lik-prewarm", daemon=True)
     _thread.start()
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=wait)
     return _thread
 
 

@@ -60,6 +60,24 @@ def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_pa
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_fork_right_after_import_waits_for_the_warm_up(tmp_path):
+    # Forking while the thread imports would hand the child a half-done import (and
+    # Python warns about forking a multi-threaded process): the fork waits instead.
+    code = (
+        "import os, threading, lik\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    import triton.language\n"
+        "    os._exit(0 if threading.active_count() == 1 else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "assert os.waitstatus_to_exitcode(status) == 0, status\n"
+    )
+    proc = _run([sys.executable, "-W", "error::DeprecationWarning", "-c", code], cwd=tmp_path,
+                extra_env={"LIK_PREWARM": "1"}, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize(
     ("setting", "cuda", "expected"),
     [("0", "12.8", False), ("1", None, True), ("", None, False), ("", "12.8", True)],
