@@ -116,8 +116,9 @@ def markdown(report: dict) -> str:
     rows = [[label, f"{us:.1f}" if isinstance(us, float) else us]
             for label, us in report["us"].items()]  # fmt: skip
     shape = ", ".join(f"{k} {v}" for k, v in report["shape"].items())
-    return (f"# Host work per call on {report['gpu']}\n\n{report['env']['date']}; "
-            f"torch {report['env']['torch']}, triton {report['env']['triton']}.\n\n"
+    env = report["env"]
+    return (f"# Host work per call on {report['gpu']}\n\n{env['date']}; commit "
+            f"{env['commit'] or 'unknown'}; torch {env['torch']}, triton {env['triton']}.\n\n"
             f"Tiny shape ({shape}, bf16): calls back to back are paced by the host. "
             f"Microseconds per call, best of {REPEATS} x {report['calls']} calls, one sync "
             "each.\n\n" + markdown_table(["call", "us per call"], rows) + "\n")  # fmt: skip
