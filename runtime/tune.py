@@ -2,9 +2,11 @@
 
 For each benchmark shape (benchmarks' PERF shapes, bf16, the variant a plain
 `maxsim(Q, D)` call uses), every candidate config is checked against the first one's
-output, timed with triton.testing.do_bench (median), and the fastest is written to
-runtime/tuning/<family>.toml under the shape's KernelKey. The runtime then reads it:
-no sweep ever runs at call time.
+output and timed with triton.testing.do_bench (median). Shapes that share a KernelKey
+(colbert-rerank and text-long differ only in Ld, which no key holds) are tuned
+together: the config whose times are the smallest multiple of each shape's own best
+(geometric mean) wins. It is written to runtime/tuning/<family>.toml under the key; the
+runtime then reads it: no sweep ever runs at call time.
 
     python3 -m lik.runtime.tune [--out runtime/tuning] [--shapes name,...] [--quick]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -44,7 +47,7 @@ SHAPES = [
 ]
 BLOCK_L = (32, 64, 128)
 NUM_WARPS = (4, 8)
-NUM_STAGES = (2, 3)
+NUM_STAGES = (2, 3, 4)
 
 
 def key_for(shape, family: str) -> KernelKey:
@@ -63,49 +66,100 @@ def candidates(key: KernelKey):
         yield LaunchConfig(key.lq, block_l, key.head_dim, warps, stages, query_group=group)
 
 
-def tune_shape(shape, quick: bool) -> tuple[str, dict] | None:
+def _inputs(shape):
+    _, nq, nd, lq, ld, d = shape
+    g = torch.Generator("cuda").manual_seed(0)
+    Q = torch.randn(nq, min(lq, 512), d, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(nd, ld, d, device="cuda", generator=g).to(torch.bfloat16)
+    return Q, D, torch.empty(nq, nd, device="cuda")
+
+
+def time_config(module, shape, inputs, config, reference, quick: bool):
+    """Median ms of one config on one shape (queries longer than 512 tokens: their first
+    chunk, as keyed), or None when it does not launch or disagrees with `reference`."""
     from triton.testing import do_bench
 
-    name_, nq, nd, lq, ld, d = shape
-    g = torch.Generator("cuda").manual_seed(0)
-    Q = torch.randn(nq, lq, d, device="cuda", generator=g).to(torch.bfloat16)
-    D = torch.randn(nd, ld, d, device="cuda", generator=g).to(torch.bfloat16)
-    key = key_for(shape, gpu_family(Q.device))
-    module = registry.load(key.variant)
-    chunk = min(lq, 512)
-    Qc = Q[:, :chunk]
-    out = torch.empty(nq, nd, device="cuda")
-    best, reference = None, None
-    for config in candidates(key):
-        if getattr(module, "DOC_STREAM", False):  # doc blocks or token ranges, as dispatch
-            config = dispatch.streamed(config, nq, nd, ld)
-        try:
-            module.launch(out, Qc, D, config=config)
-            torch.cuda.synchronize()
-        except Exception as error:  # noqa: BLE001 - a config that does not fit is skipped
-            print(f"  skip {config}: {type(error).__name__}", flush=True)
-            continue
-        if reference is None:
-            reference = out.clone()
-        elif not torch.allclose(out, reference, rtol=1e-3, atol=1e-3):
-            print(f"  MISMATCH {config}: results differ from the first config", flush=True)
-            continue
-        ms = do_bench(lambda c=config: module.launch(out, Qc, D, config=c),
-                      warmup=10 if quick else 25, rep=40 if quick else 100,
-                      return_mode="median")  # fmt: skip
-        if best is None or ms < best[0]:
-            best = (ms, config)
-    if best is None:
-        print(f"[{name_}] {key.table_key()}: no config ran; left to the default", flush=True)
+    _, nq, nd, _, ld, _ = shape
+    Q, D, out = inputs
+    if getattr(module, "DOC_STREAM", False):  # doc blocks or token ranges, as dispatch
+        config = dispatch.streamed(config, nq, nd, ld)
+    try:
+        module.launch(out, Q, D, config=config)
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - a config that does not fit is skipped
+        print(f"  skip {config}: {type(error).__name__}", flush=True)
         return None
-    ms, config = best
-    print(f"[{name_}] {key.table_key()}: {ms:.3f} ms with block_l={config.block_l} "
+    if reference is not None and not torch.allclose(out, reference, rtol=1e-3, atol=1e-3):
+        print(f"  MISMATCH {config}: results differ from the first config", flush=True)
+        return None
+    return do_bench(lambda: module.launch(out, Q, D, config=config),
+                    warmup=10 if quick else 25, rep=40 if quick else 100,
+                    return_mode="median")  # fmt: skip
+
+
+def best_joint(times: dict) -> tuple | None:
+    """The candidate whose times are the smallest multiple of each shape's best
+    (geometric mean over shapes); candidates missing a shape's time are out.
+    times: candidate -> [ms per shape, None where it did not run]."""
+    complete = {c: t for c, t in times.items() if None not in t}
+    if not complete:
+        return None
+    bests = [min(column) for column in zip(*complete.values(), strict=True)]
+
+    def slowdown(candidate):
+        ratios = [ms / best for ms, best in zip(complete[candidate], bests, strict=True)]
+        return math.prod(ratios) ** (1 / len(ratios))
+
+    return min(complete, key=slowdown)
+
+
+def tune_key(shapes, quick: bool) -> tuple[str, dict] | None:
+    """Tunes the shapes that share one KernelKey; returns (table key, entry)."""
+    key = key_for(shapes[0], gpu_family(torch.device("cuda")))
+    module = registry.load(key.variant)
+    inputs = [_inputs(shape) for shape in shapes]
+    references = [None] * len(shapes)
+    times = {}
+    for config in candidates(key):
+        times[config] = []
+        for i, shape in enumerate(shapes):
+            ms = time_config(module, shape, inputs[i], config, references[i], quick)
+            if ms is not None and references[i] is None:
+                references[i] = inputs[i][2].clone()
+            times[config].append(ms)
+        shown = ", ".join("-" if ms is None else f"{ms:.4f}" for ms in times[config])
+        print(f"  block_l={config.block_l} num_warps={config.num_warps} "
+              f"num_stages={config.num_stages} query_group={config.query_group}: {shown} ms",
+              flush=True)  # fmt: skip
+    names = ", ".join(shape[0] for shape in shapes)
+    config = best_joint(times)
+    if config is None:
+        print(f"[{names}] {key.table_key()}: no config ran; left to the default", flush=True)
+        return None
+    ms = [round(t, 4) for t in times[config]]
+    print(f"[{names}] {key.table_key()}: {ms} ms with block_l={config.block_l} "
           f"num_warps={config.num_warps} num_stages={config.num_stages} "
           f"query_group={config.query_group}", flush=True)  # fmt: skip
     entry = {"block_l": config.block_l, "num_warps": config.num_warps,
              "num_stages": config.num_stages, "query_group": config.query_group,
-             "block_n": 8, "ms": round(ms, 4), "shape": name_}  # fmt: skip
+             "block_n": 8, "ms": ms[0] if len(ms) == 1 else ms, "shape": names}  # fmt: skip
     return key.table_key(), entry
+
+
+def shapes_by_key(shapes, family: str) -> dict[str, list]:
+    """Table key -> the shapes that resolve to it, in SHAPES order."""
+    groups: dict[str, list] = {}
+    for shape in shapes:
+        groups.setdefault(key_for(shape, family).table_key(), []).append(shape)
+    return groups
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
 
 
 def write_table(path: Path, family: str, entries: dict[str, dict], device_name: str) -> None:
@@ -113,13 +167,12 @@ def write_table(path: Path, family: str, entries: dict[str, dict], device_name: 
         f"# Launch configs for the {family} GPU family, written by `make tune` on {device_name}.",
         '# Keys: "variant|padded head dim|Lq bucket|size class|q<query bucket>" '
         "(lik.runtime.keys.KernelKey).",
-        "# Keys absent here use lik.runtime.tuning.default_config. ms is the tuned median.",
+        "# Keys absent here use lik.runtime.tuning.default_config. ms is the tuned median",
+        "# (one per shape, in order, where shapes share a key).",
         "[configs]",
     ]
     for key in sorted(entries):
-        fields = ", ".join(
-            f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in entries[key].items()
-        )
+        fields = ", ".join(f"{k} = {_toml_value(v)}" for k, v in entries[key].items())
         lines.append(f'"{key}" = {{ {fields} }}')
     path.write_text("\n".join(lines) + "\n")
 
@@ -136,10 +189,9 @@ def main(argv=None) -> int:
     family = gpu_family(torch.device("cuda"))
     entries = dict(load_table(family))  # keep keys tuned earlier for other shapes
     wanted = set(args.shapes.split(",")) if args.shapes else None
-    for shape in SHAPES:
-        if wanted and shape[0] not in wanted:
-            continue
-        result = tune_shape(shape, args.quick)
+    shapes = [s for s in SHAPES if not wanted or s[0] in wanted]
+    for group in shapes_by_key(shapes, family).values():
+        result = tune_key(group, args.quick)
         if result:
             entries[result[0]] = result[1]
     args.out.mkdir(parents=True, exist_ok=True)

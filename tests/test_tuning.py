@@ -106,3 +106,16 @@ def test_call_configs_are_remembered_per_call_shape_and_bounded(monkeypatch):
     config(34, 128)  # a fourth shape clears the full cache first
     assert len(dispatch._call_configs) == 1
     assert config(32, 8192) == long_docs
+
+
+def test_shapes_sharing_a_key_are_tuned_together():
+    groups = tune.shapes_by_key(tune.SHAPES, "hopper")
+    names = [[shape[0] for shape in shapes] for shapes in groups.values()]
+    assert ["colbert-rerank", "text-long"] in names  # they differ only in Ld
+    assert sum(len(n) for n in names) == len(tune.SHAPES)
+    # The winner is the smallest multiple of each shape's own best, not either's fastest;
+    # a config that failed on one shape is out.
+    times = {"short-first": [1.0, 1.5], "balanced": [1.1, 1.1], "long-first": [2.0, 1.0],
+             "failed": [0.5, None]}  # fmt: skip
+    assert tune.best_joint(times) == "balanced"
+    assert tune.best_joint({"failed": [None, 1.0]}) is None
