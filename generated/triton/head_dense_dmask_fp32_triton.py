@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 2514c922b910aa9478d3b6d63d1f2648bd746fbf8a4aba14d3771e2e721100da
+# body-sha256: 266d9c8c63ebe70d41685e4c773603031c19e6ec878d21c8eb99c69c5b7a9ee7
 
 """Projection head + MaxSim forward for head_dense_dmask_fp32_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -673,6 +673,11 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
     even_m = d_model % config.block_m == 0
     h_operand, h_tma = _tma_operand(H, config)
     if b is None and argmax is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        d_mask_strides = d_mask.stride()
+        partial_strides = partial.stride()
         head_dense_dmask_fp32_triton_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -684,18 +689,18 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            d_mask.stride(0),
-            d_mask.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            d_mask_strides[0],
+            d_mask_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -710,6 +715,11 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
         )
 
     elif b is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        d_mask_strides = d_mask.stride()
+        partial_strides = partial.stride()
         head_dense_dmask_fp32_triton_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -722,18 +732,18 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            d_mask.stride(0),
-            d_mask.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            d_mask_strides[0],
+            d_mask_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -748,6 +758,12 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
         )
 
     elif argmax is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        b_strides = b.stride()
+        d_mask_strides = d_mask.stride()
+        partial_strides = partial.stride()
         head_dense_dmask_fp32_triton_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -760,19 +776,19 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            b.stride(0),
-            d_mask.stride(0),
-            d_mask.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            b_strides[0],
+            d_mask_strides[0],
+            d_mask_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -787,6 +803,12 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
         )
 
     else:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        b_strides = b.stride()
+        d_mask_strides = d_mask.stride()
+        partial_strides = partial.stride()
         head_dense_dmask_fp32_triton_fwd_bias_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -800,19 +822,19 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            b.stride(0),
-            d_mask.stride(0),
-            d_mask.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            b_strides[0],
+            d_mask_strides[0],
+            d_mask_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -827,16 +849,18 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
         )
 
     if argmax is None:
+        partial_strides = partial.stride()
+        out_strides = out.stride()
         head_dense_dmask_fp32_triton_reduce[reduce_grid(Nd, Nq, config.query_group)](
             partial,
             out,
             Nq,
             Lq,
             Ld,
-            partial.stride(0),
-            partial.stride(1),
-            out.stride(0),
-            out.stride(1),
+            partial_strides[0],
+            partial_strides[1],
+            out_strides[0],
+            out_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,
@@ -844,6 +868,9 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
         )
 
     else:
+        partial_strides = partial.stride()
+        out_strides = out.stride()
+        argmax_strides = argmax.stride()
         head_dense_dmask_fp32_triton_reduce_argmax[reduce_grid(Nd, Nq, config.query_group)](
             partial,
             partial_index,
@@ -852,13 +879,13 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             Nq,
             Lq,
             Ld,
-            partial.stride(0),
-            partial.stride(1),
-            out.stride(0),
-            out.stride(1),
-            argmax.stride(0),
-            argmax.stride(1),
-            argmax.stride(2),
+            partial_strides[0],
+            partial_strides[1],
+            out_strides[0],
+            out_strides[1],
+            argmax_strides[0],
+            argmax_strides[1],
+            argmax_strides[2],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,

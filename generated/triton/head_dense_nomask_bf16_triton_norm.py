@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 86c6c664609af743b9facc371ade162c4cb36fa8bd05e88d29ee18df56562289
+# body-sha256: 5dd2e7c311ae529e8487fb35fd14cb120f8b7352e21c31a8bffc65326c397330
 
 """Projection head + MaxSim forward for head_dense_nomask_bf16_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -655,6 +655,10 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     even_m = d_model % config.block_m == 0
     h_operand, h_tma = _tma_operand(H, config)
     if b is None and argmax is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_bf16_triton_norm_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -665,16 +669,16 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -689,6 +693,10 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     elif b is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_bf16_triton_norm_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -700,16 +708,16 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -724,6 +732,11 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     elif argmax is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        b_strides = b.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_bf16_triton_norm_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -735,17 +748,17 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            b.stride(0),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            b_strides[0],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -760,6 +773,11 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     else:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        b_strides = b.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_bf16_triton_norm_fwd_bias_argmax_kernel[
             forward_grid(Nd, Ld, config.block_l)
         ](
@@ -774,17 +792,17 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            b.stride(0),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            b_strides[0],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -799,16 +817,18 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     if argmax is None:
+        partial_strides = partial.stride()
+        out_strides = out.stride()
         head_dense_nomask_bf16_triton_norm_reduce[reduce_grid(Nd, Nq, config.query_group)](
             partial,
             out,
             Nq,
             Lq,
             Ld,
-            partial.stride(0),
-            partial.stride(1),
-            out.stride(0),
-            out.stride(1),
+            partial_strides[0],
+            partial_strides[1],
+            out_strides[0],
+            out_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,
@@ -816,6 +836,9 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     else:
+        partial_strides = partial.stride()
+        out_strides = out.stride()
+        argmax_strides = argmax.stride()
         head_dense_nomask_bf16_triton_norm_reduce_argmax[reduce_grid(Nd, Nq, config.query_group)](
             partial,
             partial_index,
@@ -824,13 +847,13 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Nq,
             Lq,
             Ld,
-            partial.stride(0),
-            partial.stride(1),
-            out.stride(0),
-            out.stride(1),
-            argmax.stride(0),
-            argmax.stride(1),
-            argmax.stride(2),
+            partial_strides[0],
+            partial_strides[1],
+            out_strides[0],
+            out_strides[1],
+            argmax_strides[0],
+            argmax_strides[1],
+            argmax_strides[2],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,

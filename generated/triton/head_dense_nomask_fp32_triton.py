@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 982c0ac2023a53db4c9a780dfba365fe09b83d148744cf84f9d5bfd6b61d7f94
+# body-sha256: 1ffffc48d6d79a796c443e8b023fd79a645e3edf51fc3f410dfabb01ecc4683a
 
 """Projection head + MaxSim forward for head_dense_nomask_fp32_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -645,6 +645,10 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     even_m = d_model % config.block_m == 0
     h_operand, h_tma = _tma_operand(H, config)
     if b is None and argmax is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_fp32_triton_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -655,16 +659,16 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -679,6 +683,10 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     elif b is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_fp32_triton_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -690,16 +698,16 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -714,6 +722,11 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     elif argmax is None:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        b_strides = b.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_fp32_triton_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -725,17 +738,17 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            b.stride(0),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            b_strides[0],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -750,6 +763,11 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     else:
+        Q_strides = Q.stride()
+        H_strides = H.stride()
+        W_strides = W.stride()
+        b_strides = b.stride()
+        partial_strides = partial.stride()
         head_dense_nomask_fp32_triton_fwd_bias_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
             Q,
             h_operand,
@@ -762,17 +780,17 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Ld,
             d_model,
             dim,
-            Q.stride(0),
-            Q.stride(1),
-            Q.stride(2),
-            H.stride(0),
-            H.stride(1),
-            H.stride(2),
-            W.stride(0),
-            W.stride(1),
-            b.stride(0),
-            partial.stride(0),
-            partial.stride(1),
+            Q_strides[0],
+            Q_strides[1],
+            Q_strides[2],
+            H_strides[0],
+            H_strides[1],
+            H_strides[2],
+            W_strides[0],
+            W_strides[1],
+            b_strides[0],
+            partial_strides[0],
+            partial_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             BLOCK_M=config.block_m,
@@ -787,16 +805,18 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     if argmax is None:
+        partial_strides = partial.stride()
+        out_strides = out.stride()
         head_dense_nomask_fp32_triton_reduce[reduce_grid(Nd, Nq, config.query_group)](
             partial,
             out,
             Nq,
             Lq,
             Ld,
-            partial.stride(0),
-            partial.stride(1),
-            out.stride(0),
-            out.stride(1),
+            partial_strides[0],
+            partial_strides[1],
+            out_strides[0],
+            out_strides[1],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,
@@ -804,6 +824,9 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         )
 
     else:
+        partial_strides = partial.stride()
+        out_strides = out.stride()
+        argmax_strides = argmax.stride()
         head_dense_nomask_fp32_triton_reduce_argmax[reduce_grid(Nd, Nq, config.query_group)](
             partial,
             partial_index,
@@ -812,13 +835,13 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             Nq,
             Lq,
             Ld,
-            partial.stride(0),
-            partial.stride(1),
-            out.stride(0),
-            out.stride(1),
-            argmax.stride(0),
-            argmax.stride(1),
-            argmax.stride(2),
+            partial_strides[0],
+            partial_strides[1],
+            out_strides[0],
+            out_strides[1],
+            argmax_strides[0],
+            argmax_strides[1],
+            argmax_strides[2],
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: af107e9df284ccf59f44dbf0e1d0d8c4451dd59e1f627c6d408f7de000d0e1d8
+# body-sha256: 902b00b4719296dbfc843f45077e9212cd27f21fe6a6337822f4e4e19a3d5d5d
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -288,6 +288,10 @@ def launch(out, Q, D, d_mask, *, config):
             device=out.device,
         )
     )
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_dense_dmask_fp16_triton_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
@@ -301,16 +305,16 @@ def launch(out, Q, D, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 87dacf5d4b551f92d49254e6b798befaae173c3c90a516d16dbe527fbb69a4de
+# body-sha256: f2e9d7a1e7e46d60281ecbd31db225c368d50b99ae7098ca102bc45ece925ce6
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -204,6 +204,10 @@ def launch(out, Q, D, d_mask, *, token_k, token_slots, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_dense_dmask_fp16_triton_norm_topkmean_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group)
     ](
@@ -215,16 +219,16 @@ def launch(out, Q, D, d_mask, *, token_k, token_slots, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 6d776edff0813d2c1dfd387d9bb3ce84b8cec8a98c392da2fcc7afa68afac546
+# body-sha256: 3724f9f548617205abc9c8a90ac67c0492ed2a9a7a4d88b7f8a6234688b636d9
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -182,6 +182,11 @@ def launch(out, Q, D, W, d_mask, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    W_strides = W.stride()
     maxsim_dense_dmask_fp16_triton_norm_weighted_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group)
     ](
@@ -194,18 +199,18 @@ def launch(out, Q, D, W, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        W.stride(0),
-        W.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        W_strides[0],
+        W_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

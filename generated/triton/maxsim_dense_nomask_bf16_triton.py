@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a44c05425579b9b7c046657edca0793ee93d717b9bac6b2963991c3d5f2638d6
+# body-sha256: 113c69cda5f6cd21c542eced9c809d47aa84b3951b5f50688fc616a183046db3
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -269,6 +269,9 @@ def launch(out, Q, D, *, config):
             device=out.device,
         )
     )
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_dense_nomask_bf16_triton_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
@@ -281,14 +284,14 @@ def launch(out, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

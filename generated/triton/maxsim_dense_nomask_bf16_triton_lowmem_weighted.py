@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e0d14c5bfc542f9e1ce5c2ed0c66d5d294f08e6ea9770caa492fbdfc69581a1e
+# body-sha256: dab89ead9b438ed45151fe951edbe6b1d05190f39d78bf2edec75bddd65462a8
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -378,6 +378,11 @@ def launch(out, Q, D, W, *, saved, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
+    W_strides = W.stride()
+    saved_strides = saved.stride()
     maxsim_dense_nomask_bf16_triton_lowmem_weighted_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group)
     ](
@@ -390,19 +395,19 @@ def launch(out, Q, D, W, *, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        out.stride(1),
-        W.stride(0),
-        W.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        out_strides[1],
+        W_strides[0],
+        W_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -428,6 +433,13 @@ def backward(grad_out, saved, Q, D, W, *, config):
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     GW = torch.empty(W.shape, dtype=W.dtype, device=W.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    W_strides = W.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
+    GW_strides = GW.stride()
     maxsim_dense_nomask_bf16_triton_lowmem_weighted_bwd_q_kernel[lowmem_q_grid(Nq)](
         Q,
         D,
@@ -440,24 +452,24 @@ def backward(grad_out, saved, Q, D, W, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        W.stride(0),
-        W.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
-        GW.stride(0),
-        GW.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        W_strides[0],
+        W_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
+        GW_strides[0],
+        GW_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -466,6 +478,12 @@ def backward(grad_out, saved, Q, D, W, *, config):
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    W_strides = W.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_dense_nomask_bf16_triton_lowmem_weighted_bwd_d_kernel[
         lowmem_d_grid(Nd, Ld, config.block_l)
     ](
@@ -479,22 +497,22 @@ def backward(grad_out, saved, Q, D, W, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        W.stride(0),
-        W.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        W_strides[0],
+        W_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

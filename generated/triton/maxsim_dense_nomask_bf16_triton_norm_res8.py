@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2c7562bbf16efefd20386e3501c2bc0d4f74fe498242e7b661d2f766d5976881
+# body-sha256: 6434f28b69870a6ea42fbfb813a2a0bedb3b08d56756a6fbcb0a31855f4c6a88
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -420,6 +420,13 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
             device=out.device,
         )
     )
+    Q_strides = Q.stride()
+    codes_strides = codes.stride()
+    residuals_strides = residuals.stride()
+    centroids_strides = centroids.stride()
+    bucket_weights_strides = bucket_weights.stride()
+    doc_lengths_strides = doc_lengths.stride()
+    out_strides = out.stride()
     maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
@@ -437,20 +444,20 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         Ld,
         dim,
         n_centroids,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        codes.stride(0),
-        codes.stride(1),
-        residuals.stride(0),
-        residuals.stride(1),
-        residuals.stride(2),
-        centroids.stride(0),
-        centroids.stride(1),
-        bucket_weights.stride(0),
-        doc_lengths.stride(0),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        codes_strides[0],
+        codes_strides[1],
+        residuals_strides[0],
+        residuals_strides[1],
+        residuals_strides[2],
+        centroids_strides[0],
+        centroids_strides[1],
+        bucket_weights_strides[0],
+        doc_lengths_strides[0],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 5c9f2d95eab1045d15742c1546cfc5a7d801c6f9641242ebc8a78de09679de1e
+# body-sha256: c2022ac9df4c63e82cd666e961ff261f53471982845d1410e21ae89a763dca97
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -200,6 +200,9 @@ def launch(out, Q, D, *, token_k, token_slots, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_dense_nomask_bf16_triton_norm_topkmean_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group)
     ](
@@ -210,14 +213,14 @@ def launch(out, Q, D, *, token_k, token_slots, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 29bf61bf2af1e2e1b621c648ab74d21c3f5b919ce7be59cbe3535ee1535a95d6
+# body-sha256: 9289a42a7d8cb196929051482c85cdb55179f5be81aa7a0ea7b16bf5f18adfc2
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -280,6 +280,9 @@ def launch(out, Q, D, *, config):
             device=out.device,
         )
     )
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_dense_nomask_fp16_triton_norm_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
@@ -292,14 +295,14 @@ def launch(out, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

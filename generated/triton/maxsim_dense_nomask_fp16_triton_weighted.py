@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 12cbb5959a89cae06455e5dc3f464833f80536f9fe3fa33b5dcea475173356e7
+# body-sha256: e3469460dd14d1b801177e25d7348a76c890c03f37431ebafca1e462be24276d
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -167,6 +167,10 @@ def launch(out, Q, D, W, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
+    W_strides = W.stride()
     maxsim_dense_nomask_fp16_triton_weighted_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
@@ -176,16 +180,16 @@ def launch(out, Q, D, W, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        out.stride(1),
-        W.stride(0),
-        W.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        out_strides[1],
+        W_strides[0],
+        W_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0fc442958b6127ba116df312a2960e8b2759ecea69e525fdd104feace350c256
+# body-sha256: e8005b60e36b5fb4dcd2072da1730f446c01ec4512e021d872c71cb745742996
 
 """MaxSim forward for maxsim_dense_nomask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -154,6 +154,11 @@ def launch(out, Q, D, scale_Q, scale_D, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    scale_Q_strides = scale_Q.stride()
+    scale_D_strides = scale_D.stride()
+    out_strides = out.stride()
     maxsim_dense_nomask_fp8_triton_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
@@ -164,18 +169,18 @@ def launch(out, Q, D, scale_Q, scale_D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        scale_Q.stride(0),
-        scale_Q.stride(1),
-        scale_D.stride(0),
-        scale_D.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        scale_Q_strides[0],
+        scale_Q_strides[1],
+        scale_D_strides[0],
+        scale_D_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

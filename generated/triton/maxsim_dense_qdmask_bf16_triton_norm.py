@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 63b79c85579e2a2f559c3db2e8c30ef5b7b71ad3799f0cde9e4faa97f314157e
+# body-sha256: 7a6c66d6fda9383070ec2477f806b9e2b84701f325ab0c306f21ba7c562a9327
 
 """MaxSim forward for maxsim_dense_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -304,6 +304,11 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
             device=out.device,
         )
     )
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_dense_qdmask_bf16_triton_norm_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
@@ -318,18 +323,18 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

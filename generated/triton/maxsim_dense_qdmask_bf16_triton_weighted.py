@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 9eaf5ebf6ba99c92e90904add51bec4448486d33e0b00fe6efb1c8be95d279e6
+# body-sha256: cab5068fb702f7a73ca6f1131bbc8d0d95b568aaa4f20675e6d4bf1a4a576366
 
 """MaxSim forward for maxsim_dense_qdmask_bf16_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -176,6 +176,12 @@ def launch(out, Q, D, W, q_mask, d_mask, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    W_strides = W.stride()
     maxsim_dense_qdmask_bf16_triton_weighted_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
@@ -187,20 +193,20 @@ def launch(out, Q, D, W, q_mask, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        W.stride(0),
-        W.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        W_strides[0],
+        W_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

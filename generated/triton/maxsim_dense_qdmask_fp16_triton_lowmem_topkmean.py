@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 9f5998e5fa12c4b6f6485d4769563d791c86fdfe2603a0d748f2f72c493627ac
+# body-sha256: 38e2cd59b0d3c5dead19c6e8babf260486fe3572baa16fb4f03935567d5ea151
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -422,6 +422,12 @@ def launch(out, Q, D, q_mask, d_mask, *, token_k, token_slots, saved, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    saved_strides = saved.stride()
     maxsim_dense_qdmask_fp16_triton_lowmem_topkmean_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group)
     ](
@@ -435,22 +441,22 @@ def launch(out, Q, D, q_mask, d_mask, *, token_k, token_slots, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        saved.stride(3),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        saved_strides[3],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -476,6 +482,13 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
     maxsim_dense_qdmask_fp16_triton_lowmem_topkmean_bwd_q_kernel[lowmem_q_grid(Nq)](
         Q,
         D,
@@ -488,25 +501,25 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        saved.stride(3),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        saved_strides[3],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -517,6 +530,13 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
         TOKEN_SLOTS=token_slots,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_dense_qdmask_fp16_triton_lowmem_topkmean_bwd_d_kernel[
         lowmem_d_grid(Nd, Ld, config.block_l)
     ](
@@ -531,25 +551,25 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        saved.stride(3),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        saved_strides[3],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 88147f28846aae679b1ef324b3ea7c48d7dfb92881b26f0bda3cd60bfb14e704
+# body-sha256: 803580ff641d23016d4773df2e95d56b849bff69ed517743de284a6d265912bb
 
 """MaxSim training (unified backward) for maxsim_dense_qdmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -245,6 +245,12 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_dense_qdmask_fp32_triton_unified_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
@@ -256,21 +262,21 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -294,6 +300,12 @@ def backward(grad_out, argmax, Q, D, *, config):
     Ld = D.shape[1]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
+    GD_strides = GD.stride()
     maxsim_dense_qdmask_fp32_triton_unified_bwd_kernel[unified_grid(Nq, Nd, config.block_n)](
         Q,
         D,
@@ -305,23 +317,23 @@ def backward(grad_out, argmax, Q, D, *, config):
         Nd,
         Lq,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         BLOCK_N=config.block_n,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e1d957aee73413283770b2ee55809abee1a72a37d5d9ad8de55280c1fdb541bd
+# body-sha256: 8ed239c4c3491071daf1537c6e971cc77b3075fd1de39d3998cd3086288495f2
 
 """MaxSim forward for maxsim_dense_qdmask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -163,6 +163,13 @@ def launch(out, Q, D, scale_Q, scale_D, q_mask, d_mask, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    scale_Q_strides = scale_Q.stride()
+    scale_D_strides = scale_D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_dense_qdmask_fp8_triton_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
@@ -175,22 +182,22 @@ def launch(out, Q, D, scale_Q, scale_D, q_mask, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        scale_Q.stride(0),
-        scale_Q.stride(1),
-        scale_D.stride(0),
-        scale_D.stride(1),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        scale_Q_strides[0],
+        scale_Q_strides[1],
+        scale_D_strides[0],
+        scale_D_strides[1],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

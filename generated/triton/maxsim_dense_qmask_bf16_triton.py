@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 249d54548838e8dc40ad7ee7c95b3ecbc6c4aa3d6e6006c53dca1c93ffac39c8
+# body-sha256: 26c95bf6d8edb1f83bbb6b97882f387a806b25828d535dfd101d6dd6f638b720
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -274,6 +274,10 @@ def launch(out, Q, D, q_mask, *, config):
             device=out.device,
         )
     )
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
     maxsim_dense_qmask_bf16_triton_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program, config.doc_splits)
     ](
@@ -287,16 +291,16 @@ def launch(out, Q, D, q_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

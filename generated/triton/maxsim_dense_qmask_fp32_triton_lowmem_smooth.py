@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8c3bbf560179a623927c3932c1ce2dc671d20a94aefc6112f0db70f2f4f10a89
+# body-sha256: c1228019fb99cd26c697a7d8558cd904d85a73bb5aded1764533340e24473620
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -368,6 +368,11 @@ def launch(out, Q, D, q_mask, *, tau, saved, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
+    saved_strides = saved.stride()
     maxsim_dense_qmask_fp32_triton_lowmem_smooth_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group)
     ](
@@ -381,19 +386,19 @@ def launch(out, Q, D, q_mask, *, tau, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -418,6 +423,12 @@ def backward(grad_out, saved, Q, D, q_mask, *, tau, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
     maxsim_dense_qmask_fp32_triton_lowmem_smooth_bwd_q_kernel[lowmem_q_grid(Nq)](
         Q,
         D,
@@ -430,22 +441,22 @@ def backward(grad_out, saved, Q, D, q_mask, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -454,6 +465,12 @@ def backward(grad_out, saved, Q, D, q_mask, *, tau, config):
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_dense_qmask_fp32_triton_lowmem_smooth_bwd_d_kernel[
         lowmem_d_grid(Nd, Ld, config.block_l)
     ](
@@ -468,22 +485,22 @@ def backward(grad_out, saved, Q, D, q_mask, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

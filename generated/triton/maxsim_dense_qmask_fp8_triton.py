@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: bb56904b8d7c01f37333c18c8ff3474f0ef05a8805182fb4fbfc3b7804d97657
+# body-sha256: 54414f33fb16d253994cc574c927ef352622b98ffe49b5cd2bd585dd02fc71bb
 
 """MaxSim forward for maxsim_dense_qmask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -159,6 +159,12 @@ def launch(out, Q, D, scale_Q, scale_D, q_mask, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    scale_Q_strides = scale_Q.stride()
+    scale_D_strides = scale_D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
     maxsim_dense_qmask_fp8_triton_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
@@ -170,20 +176,20 @@ def launch(out, Q, D, scale_Q, scale_D, q_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        scale_Q.stride(0),
-        scale_Q.stride(1),
-        scale_D.stride(0),
-        scale_D.stride(1),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        scale_Q_strides[0],
+        scale_Q_strides[1],
+        scale_D_strides[0],
+        scale_D_strides[1],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

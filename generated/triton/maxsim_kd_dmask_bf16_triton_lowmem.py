@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b49b79ddbd407de8ba8d366f990401e742b458515955673d1b3c58fdb732c3f3
+# body-sha256: 002d4d0b9d32cb430b78ded141a316921a232f91ca92194f479b85864beab4f1
 
 """MaxSim training (lowmem backward) for maxsim_kd_dmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -279,6 +279,11 @@ def launch(out, Q, D, d_mask, *, argmax, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_kd_dmask_bf16_triton_lowmem_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -289,21 +294,21 @@ def launch(out, Q, D, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        d_mask.stride(2),
-        out.stride(0),
-        out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        d_mask_strides[2],
+        out_strides[0],
+        out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -326,6 +331,10 @@ def backward(grad_out, argmax, Q, D, *, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
     maxsim_kd_dmask_bf16_triton_lowmem_bwd_q_kernel[lowmem_q_grid(Nq)](
         D,
         grad_out,
@@ -334,23 +343,27 @@ def backward(grad_out, argmax, Q, D, *, config):
         K,
         Lq,
         dim,
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GD_strides = GD.stride()
     maxsim_kd_dmask_bf16_triton_lowmem_bwd_d_kernel[lowmem_d_grid(K, Nq, Ld, config.block_l)](
         Q,
         grad_out,
@@ -360,18 +373,18 @@ def backward(grad_out, argmax, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
-        GD.stride(3),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
+        GD_strides[3],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

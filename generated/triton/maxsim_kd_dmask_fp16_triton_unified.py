@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: db2b8498c180f3f819a3b2305d04453c7f8d5906036cbc931b327482bcbfd18d
+# body-sha256: b0a2529777ab6f279a635faf5f5d38d95017f3ff788d12129a26e9136fc39d19
 
 """MaxSim training (unified backward) for maxsim_kd_dmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -236,6 +236,11 @@ def launch(out, Q, D, d_mask, *, argmax, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_kd_dmask_fp16_triton_unified_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -246,21 +251,21 @@ def launch(out, Q, D, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        d_mask.stride(2),
-        out.stride(0),
-        out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        d_mask_strides[2],
+        out_strides[0],
+        out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -283,6 +288,12 @@ def backward(grad_out, argmax, Q, D, *, config):
     Ld = D.shape[2]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
+    GD_strides = GD.stride()
     maxsim_kd_dmask_fp16_triton_unified_bwd_kernel[unified_grid(Nq, K, config.block_n)](
         Q,
         D,
@@ -293,25 +304,25 @@ def backward(grad_out, argmax, Q, D, *, config):
         K,
         Lq,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
-        GD.stride(3),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
+        GD_strides[3],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         BLOCK_N=config.block_n,

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b8a917b461863d380fd8f96691c82f4b53fee352e604972d09093c41c37c0d07
+# body-sha256: 5310aa75ec2672ca4dea7ef088fae18b42984793898ec139ee79ab2d6e49b133
 
 """MaxSim forward for maxsim_kd_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -130,6 +130,10 @@ def launch(out, Q, D, d_mask, *, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_kd_dmask_fp32_triton_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -139,18 +143,18 @@ def launch(out, Q, D, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        d_mask.stride(2),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        d_mask_strides[2],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

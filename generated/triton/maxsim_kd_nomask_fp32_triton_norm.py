@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: dfeb50313a3ca452a7b7d37c40fcfa25ecc0ee47de7895b6693db1c441a974c5
+# body-sha256: a56eae1dbb93b88602a011746173957828e0a0086af0b026a43eb9c3ca047dcd
 
 """MaxSim forward for maxsim_kd_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -134,6 +134,9 @@ def launch(out, Q, D, *, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_kd_nomask_fp32_triton_norm_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -142,15 +145,15 @@ def launch(out, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

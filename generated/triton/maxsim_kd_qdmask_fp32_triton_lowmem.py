@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 08bc947e362d63d9b8835c674e26b073de9eabbc31af291d4e6086d5398da4d0
+# body-sha256: 20471b91aa72c4c9e332581f01d658e21128259f9d91455377b41ac13c996577
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -284,6 +284,12 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_kd_qdmask_fp32_triton_lowmem_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -295,23 +301,23 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        d_mask.stride(2),
-        out.stride(0),
-        out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        d_mask_strides[2],
+        out_strides[0],
+        out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -334,6 +340,10 @@ def backward(grad_out, argmax, Q, D, *, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
     maxsim_kd_qdmask_fp32_triton_lowmem_bwd_q_kernel[lowmem_q_grid(Nq)](
         D,
         grad_out,
@@ -342,23 +352,27 @@ def backward(grad_out, argmax, Q, D, *, config):
         K,
         Lq,
         dim,
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GD_strides = GD.stride()
     maxsim_kd_qdmask_fp32_triton_lowmem_bwd_d_kernel[lowmem_d_grid(K, Nq, Ld, config.block_l)](
         Q,
         grad_out,
@@ -368,18 +382,18 @@ def backward(grad_out, argmax, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
-        GD.stride(3),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
+        GD_strides[3],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 68b13595f87cb2223d1d2eacf29f7dbcd90391b6aa79e17871d621e98f682c85
+# body-sha256: 19870f137d77e2c5ec6e7a23d15af6a28ed5acbcb0d70202a9d361760a34bfe2
 
 """MaxSim forward for maxsim_kd_qdmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -144,6 +144,11 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_kd_qdmask_fp32_triton_norm_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -154,20 +159,20 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        d_mask.stride(2),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        d_mask_strides[2],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

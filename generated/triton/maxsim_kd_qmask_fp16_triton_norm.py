@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8c69c8b04446c66e2be2f1a7b245f40d3cb0f63f7adea9254db3ddd9b8e85697
+# body-sha256: 8a39d21d448a928babb2d1df561addb8d5e67df37d1ed027d14febd194805070
 
 """MaxSim forward for maxsim_kd_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -139,6 +139,10 @@ def launch(out, Q, D, q_mask, *, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
     maxsim_kd_qmask_fp16_triton_norm_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -148,17 +152,17 @@ def launch(out, Q, D, q_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5f311b5a46a40c53ceb60ad6aa8bf89ae4eb28792e47eac339eef8932dd146d6
+# body-sha256: 90959e511943f7186bb92009d92e3e2076a58ff703bfdfbb923d690bc8141642
 
 """MaxSim training (lowmem backward) for maxsim_kd_qmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -328,6 +328,11 @@ def launch(out, Q, D, q_mask, *, argmax, config):
     K = D.shape[1]
     Ld = D.shape[2]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_kd_qmask_fp32_triton_norm_lowmem_fwd_kernel[forward_grid(Nq, K)](
         Q,
         D,
@@ -338,20 +343,20 @@ def launch(out, Q, D, q_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -375,6 +380,11 @@ def backward(grad_out, argmax, Q, D, *, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
     maxsim_kd_qmask_fp32_triton_norm_lowmem_bwd_q_kernel[lowmem_q_grid(Nq)](
         Q,
         D,
@@ -384,26 +394,31 @@ def backward(grad_out, argmax, Q, D, *, config):
         K,
         Lq,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GD_strides = GD.stride()
     maxsim_kd_qmask_fp32_triton_norm_lowmem_bwd_d_kernel[lowmem_d_grid(K, Nq, Ld, config.block_l)](
         Q,
         D,
@@ -414,22 +429,22 @@ def backward(grad_out, argmax, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        D.stride(3),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
-        GD.stride(3),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        D_strides[3],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
+        GD_strides[3],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fdc8be3d427abf89e9f5c66474cca60077d74a47492f1a26d15d638fd90ce2a0
+# body-sha256: d7fb1d1cf7712deb2c69add9605ac7e91e2013be0d656ab16a1a98ba5a9f52ad
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -144,6 +144,9 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_packedpairs_nomask_bf16_triton_fwd_kernel[forward_grid(P)](
         Q,
         D,
@@ -158,11 +161,11 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

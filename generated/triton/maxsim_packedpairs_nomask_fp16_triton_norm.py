@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 19d44e678cc1d7d5cf04735069460658ae38d17a05c0308b8403f11fc3513467
+# body-sha256: 6a39ef6de65513c8b421562fa8746e3efd863b812f780f122f2e7643ec80af89
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -153,6 +153,9 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_packedpairs_nomask_fp16_triton_norm_fwd_kernel[forward_grid(P)](
         Q,
         D,
@@ -167,11 +170,11 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5b56b61ebb078f811a823ad0f24e91e23aaceb4f3a74c2b04fd421a4b04574c9
+# body-sha256: 9276781bce1ea5a8552560b3baed58b1b614e19ddef5a2fe00250309fd0c1ee6
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -304,6 +304,10 @@ def launch(
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_packedpairs_nomask_fp16_triton_norm_unified_fwd_kernel[forward_grid(P)](
         Q,
         D,
@@ -319,13 +323,13 @@ def launch(
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -361,6 +365,12 @@ def backward(
     total_d = D.shape[0]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
+    GD_strides = GD.stride()
     maxsim_packedpairs_nomask_fp16_triton_norm_unified_bwd_kernel[unified_grid(P)](
         Q,
         D,
@@ -376,17 +386,17 @@ def backward(
         Nd,
         total_q,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        grad_out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
-        GQ.stride(0),
-        GQ.stride(1),
-        GD.stride(0),
-        GD.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GD_strides[0],
+        GD_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 505ed9c7bd5eb1b945f42d1cc3e2564ef8dc8db2383f0af5d9bde6039252278b
+# body-sha256: 1c10fbc6ae1b5708a8e110cd3fd3457799a24da5e46d9d08f78f574861365028
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -144,6 +144,9 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_packedpairs_nomask_fp32_triton_fwd_kernel[forward_grid(P)](
         Q,
         D,
@@ -158,11 +161,11 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, pair_q_idx, pair_d_idx, *, max
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 49d1428990dadfde3077460f2f9c6fcb87adf96ca1bb7589274cfef7a36d187e
+# body-sha256: 06136c5d0e529a05f7f31eff23206c3bf0a206233936ad7332649c87a34ed02d
 
 """MaxSim forward for maxsim_pairs_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -124,6 +124,10 @@ def launch(out, Q, D, d_mask, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_pairs_dmask_bf16_triton_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -132,15 +136,15 @@ def launch(out, Q, D, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

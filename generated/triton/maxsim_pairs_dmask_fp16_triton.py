@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 874ac579c8129af5aec2d671ea54911656ae9171ba9b7c9b4d1502c13210858f
+# body-sha256: 6fce5ba32e966ec4b0b182b965c7ed3725e91559cfce28ebeb58a162c595b733
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -124,6 +124,10 @@ def launch(out, Q, D, d_mask, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_pairs_dmask_fp16_triton_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -132,15 +136,15 @@ def launch(out, Q, D, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 622563a82fdacbcf090b99a67b83c7b8af71543331de86d9c3fae960e17fee7b
+# body-sha256: bfe86e58aa69088137e563bba508bd71e73cf609dbd8c0f5f34f1a328b8d5cf7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -255,6 +255,11 @@ def launch(out, Q, D, d_mask, *, argmax, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_pairs_dmask_fp32_triton_lowmem_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -264,17 +269,17 @@ def launch(out, Q, D, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -296,6 +301,10 @@ def backward(grad_out, argmax, Q, D, *, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
     maxsim_pairs_dmask_fp32_triton_lowmem_bwd_q_kernel[lowmem_q_grid(B)](
         D,
         grad_out,
@@ -303,20 +312,24 @@ def backward(grad_out, argmax, Q, D, *, config):
         GQ,
         Lq,
         dim,
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        grad_out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_dmask_fp32_triton_lowmem_bwd_d_kernel[lowmem_d_grid(B, Ld, config.block_l)](
         Q,
         grad_out,
@@ -325,15 +338,15 @@ def backward(grad_out, argmax, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        grad_out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: f87090415b07a8a63994a365ebd0515b48ad7d39f665baa53a6503d83dda60d3
+# body-sha256: aa6f0eebd94e13adbad9d96dc9eef3ed7b2a910982ac7bc163ee22eaece73844
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -385,6 +385,11 @@ def launch(out, Q, D, d_mask, *, token_k, token_slots, saved, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    saved_strides = saved.stride()
     maxsim_pairs_dmask_fp32_triton_lowmem_topkmean_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -394,18 +399,18 @@ def launch(out, Q, D, d_mask, *, token_k, token_slots, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -429,6 +434,12 @@ def backward(grad_out, saved, Q, D, d_mask, *, token_k, token_slots, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
     maxsim_pairs_dmask_fp32_triton_lowmem_topkmean_bwd_q_kernel[lowmem_q_grid(B)](
         Q,
         D,
@@ -439,21 +450,21 @@ def backward(grad_out, saved, Q, D, d_mask, *, token_k, token_slots, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -464,6 +475,12 @@ def backward(grad_out, saved, Q, D, d_mask, *, token_k, token_slots, config):
         TOKEN_SLOTS=token_slots,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_dmask_fp32_triton_lowmem_topkmean_bwd_d_kernel[
         lowmem_d_grid(B, Ld, config.block_l)
     ](
@@ -476,21 +493,21 @@ def backward(grad_out, saved, Q, D, d_mask, *, token_k, token_slots, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

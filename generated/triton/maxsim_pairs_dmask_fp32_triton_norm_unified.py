@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 33ce21b1565ff7b61bbb3c15ae354346cca3a6396a933ed10b6813dcd782f0fe
+# body-sha256: 4e991c0d971c0d18f00a5d708b17bed215fa23ebb51854e4403c15a947759172
 
 """MaxSim training (unified backward) for maxsim_pairs_dmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -275,6 +275,11 @@ def launch(out, Q, D, d_mask, *, argmax, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_pairs_dmask_fp32_triton_norm_unified_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -284,17 +289,17 @@ def launch(out, Q, D, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -316,6 +321,12 @@ def backward(grad_out, argmax, Q, D, *, config):
     Ld = D.shape[1]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_dmask_fp32_triton_norm_unified_bwd_kernel[unified_grid(B)](
         Q,
         D,
@@ -325,21 +336,21 @@ def backward(grad_out, argmax, Q, D, *, config):
         GD,
         Lq,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        grad_out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         BLOCK_N=1,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 1bd3462d26a2656a9003b49320c0abe1f2b3684cdd83238cf74b4bf05ebafc46
+# body-sha256: 3b62ec8934a0e1e6e7d41bbf0293f609b8f7f473278e04ccf11239937ef48a02
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_bf16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -368,6 +368,10 @@ def launch(out, Q, D, *, token_k, token_slots, saved, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
+    saved_strides = saved.stride()
     maxsim_pairs_nomask_bf16_triton_lowmem_topkmean_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -376,16 +380,16 @@ def launch(out, Q, D, *, token_k, token_slots, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -410,6 +414,11 @@ def backward(grad_out, saved, Q, D, *, token_k, token_slots, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
     maxsim_pairs_nomask_bf16_triton_lowmem_topkmean_bwd_q_kernel[lowmem_q_grid(B)](
         Q,
         D,
@@ -419,19 +428,19 @@ def backward(grad_out, saved, Q, D, *, token_k, token_slots, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -442,6 +451,11 @@ def backward(grad_out, saved, Q, D, *, token_k, token_slots, config):
         TOKEN_SLOTS=token_slots,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_nomask_bf16_triton_lowmem_topkmean_bwd_d_kernel[
         lowmem_d_grid(B, Ld, config.block_l)
     ](
@@ -453,19 +467,19 @@ def backward(grad_out, saved, Q, D, *, token_k, token_slots, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 065fbbad32b2b0b189ddd783e3919510eceeac5c03e87ce7f52fd621e270c472
+# body-sha256: 72506ee8af7d3a97cecc5ea1b32703bc3bdd0c17ba65a1f9b5e59649ada509f4
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -129,6 +129,9 @@ def launch(out, Q, D, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_pairs_nomask_bf16_triton_norm_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -136,13 +139,13 @@ def launch(out, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

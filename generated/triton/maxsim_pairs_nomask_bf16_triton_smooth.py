@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 12782c8331c7e8447e8935bace34ccd2d84b92e4e6ead27e625a4f83e00e5ec5
+# body-sha256: bc7a5e1ca174eb9671f2e4ffe6143a19f1b88f6f49be5ec34bba1ae91c3a1711
 
 """MaxSim forward for maxsim_pairs_nomask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -152,6 +152,9 @@ def launch(out, Q, D, *, tau, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_pairs_nomask_bf16_triton_smooth_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -160,13 +163,13 @@ def launch(out, Q, D, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

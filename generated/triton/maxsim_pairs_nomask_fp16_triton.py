@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 088e319996fc01e158e49fbdd784f5fcbd7b31021f103bb2a407f136beacda33
+# body-sha256: 07ac0a83110323063c50b21317df89976f9331fad4a7f9495b4a3e700a7beea1
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -120,6 +120,9 @@ def launch(out, Q, D, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_pairs_nomask_fp16_triton_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -127,13 +130,13 @@ def launch(out, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

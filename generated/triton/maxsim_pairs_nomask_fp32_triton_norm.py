@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f1d43b273c32ea12ed74b49a7321d049c9f7d9b2fe800a2404f724e11f1b121a
+# body-sha256: 248b0fe9bf3dd7cf678fa2192d841b311d6aa8f9e0c780c8e97f0efb5c8e9138
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -129,6 +129,9 @@ def launch(out, Q, D, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_pairs_nomask_fp32_triton_norm_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -136,13 +139,13 @@ def launch(out, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

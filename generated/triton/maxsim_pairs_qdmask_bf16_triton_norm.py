@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1f91708bb75a655dcfe6e60a5a5d3b50956c0b066e91f7f01868570b0b3d59af
+# body-sha256: 447e35f697dfa4c414ca857b18b39ac322bbe4351ee0fff407072a9d143853af
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -138,6 +138,11 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_pairs_qdmask_bf16_triton_norm_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -147,17 +152,17 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

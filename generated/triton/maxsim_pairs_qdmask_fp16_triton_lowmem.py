@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 79d1bd26581c92d09ad3a6f2307580cf5d05824d5f050c03c0a9e8b980446ca1
+# body-sha256: b73802d8368fa4d2006906abff68b898f4a4fabae9b42d85e5b5fa42de179c21
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -260,6 +260,12 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_pairs_qdmask_fp16_triton_lowmem_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -270,19 +276,19 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -304,6 +310,10 @@ def backward(grad_out, argmax, Q, D, *, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
     maxsim_pairs_qdmask_fp16_triton_lowmem_bwd_q_kernel[lowmem_q_grid(B)](
         D,
         grad_out,
@@ -311,20 +321,24 @@ def backward(grad_out, argmax, Q, D, *, config):
         GQ,
         Lq,
         dim,
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        grad_out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_qdmask_fp16_triton_lowmem_bwd_d_kernel[lowmem_d_grid(B, Ld, config.block_l)](
         Q,
         grad_out,
@@ -333,15 +347,15 @@ def backward(grad_out, argmax, Q, D, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        grad_out.stride(0),
-        argmax.stride(0),
-        argmax.stride(1),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 47dcb7894581a31e0de3d7edd771036ab7458c3ffba912f595a72685d731bb3f
+# body-sha256: 9a694836590f8376692fe6515e23bf4186cd1371f3f078f99749b80ee46dd4c2
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -391,6 +391,12 @@ def launch(out, Q, D, q_mask, d_mask, *, tau, saved, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    saved_strides = saved.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_lowmem_smooth_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -402,19 +408,19 @@ def launch(out, Q, D, q_mask, d_mask, *, tau, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -436,6 +442,13 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, tau, config):
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_lowmem_smooth_bwd_q_kernel[lowmem_q_grid(B)](
         Q,
         D,
@@ -448,22 +461,22 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -472,6 +485,13 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, tau, config):
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_lowmem_smooth_bwd_d_kernel[
         lowmem_d_grid(B, Ld, config.block_l)
     ](
@@ -486,22 +506,22 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 14bf1e49714c26749bdf5ec49ac8bb27890ed6dca09b0c614e3dfd5142a67b11
+# body-sha256: bb08f92f1a733d6c5e94de8ae139917f7aefcf3a27ce69f6dec7d833d48ef26b
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -432,6 +432,12 @@ def launch(out, Q, D, q_mask, d_mask, *, token_k, token_slots, saved, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    saved_strides = saved.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -442,20 +448,20 @@ def launch(out, Q, D, q_mask, d_mask, *, token_k, token_slots, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -479,6 +485,13 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
     GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean_bwd_q_kernel[lowmem_q_grid(B)](
         Q,
         D,
@@ -490,23 +503,23 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -517,6 +530,13 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
         TOKEN_SLOTS=token_slots,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_lowmem_topkmean_bwd_d_kernel[
         lowmem_d_grid(B, Ld, config.block_l)
     ](
@@ -530,23 +550,23 @@ def backward(grad_out, saved, Q, D, q_mask, d_mask, *, token_k, token_slots, con
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        saved.stride(2),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        saved_strides[2],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

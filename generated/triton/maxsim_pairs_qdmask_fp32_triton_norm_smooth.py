@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 7a449a5f1d379660d856628bebab8984b0500f1a39c2dcedfed2e42a5280f027
+# body-sha256: cff39b54f05b75b8bf62ca2685fab76728fd2e22a5c3cf895b0c0204e98ceb2a
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -172,6 +172,11 @@ def launch(out, Q, D, q_mask, d_mask, *, tau, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
     maxsim_pairs_qdmask_fp32_triton_norm_smooth_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -182,17 +187,17 @@ def launch(out, Q, D, q_mask, d_mask, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: e6c3c813d4817f65acfc9f52bebc947bc424c04eb4fcb0bc751e3130dafe2735
+# body-sha256: 6b1301a94f71424a409a7cb49f5bd0d71342cae2fadf572023c6f06ab95f6932
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -157,6 +157,10 @@ def launch(out, Q, D, q_mask, *, tau, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
     maxsim_pairs_qmask_bf16_triton_smooth_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -166,15 +170,15 @@ def launch(out, Q, D, q_mask, *, tau, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1fe48a77d80d02e62087b20b420c4c869cf6056a1540a1464c7e0cd9970a9fe0
+# body-sha256: 7ca21287dc63ddbd0f73dbb73c0d6535194965aa0420c87060f27ab785aa40ad
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -125,6 +125,10 @@ def launch(out, Q, D, q_mask, *, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
     maxsim_pairs_qmask_fp16_triton_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -133,15 +137,15 @@ def launch(out, Q, D, q_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

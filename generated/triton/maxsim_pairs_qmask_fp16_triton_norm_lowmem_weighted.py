@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 5f07c5eb3a003c1caa8fd50077d2a29772a6e99fd59b51217c96f7cf13cba3b4
+# body-sha256: f022389cba289570a684b82eb4de6316917d83f7a1ab6be4189754c32e930f76
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp16_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -396,6 +396,12 @@ def launch(out, Q, D, W, q_mask, *, saved, config):
     dim = Q.shape[2]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    out_strides = out.stride()
+    W_strides = W.stride()
+    saved_strides = saved.stride()
     maxsim_pairs_qmask_fp16_triton_norm_lowmem_weighted_fwd_kernel[forward_grid(B)](
         Q,
         D,
@@ -406,19 +412,19 @@ def launch(out, Q, D, W, q_mask, *, saved, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        out.stride(0),
-        W.stride(0),
-        W.stride(1),
-        saved.stride(0),
-        saved.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        out_strides[0],
+        W_strides[0],
+        W_strides[1],
+        saved_strides[0],
+        saved_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -442,6 +448,14 @@ def backward(grad_out, saved, Q, D, W, q_mask, *, config):
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     GW = torch.empty(W.shape, dtype=W.dtype, device=W.device)
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    W_strides = W.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GQ_strides = GQ.stride()
+    GW_strides = GW.stride()
     maxsim_pairs_qmask_fp16_triton_norm_lowmem_weighted_bwd_q_kernel[lowmem_q_grid(B)](
         Q,
         D,
@@ -454,24 +468,24 @@ def backward(grad_out, saved, Q, D, W, q_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        W.stride(0),
-        W.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        GQ.stride(0),
-        GQ.stride(1),
-        GQ.stride(2),
-        GW.stride(0),
-        GW.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        W_strides[0],
+        W_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
+        GW_strides[0],
+        GW_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -480,6 +494,13 @@ def backward(grad_out, saved, Q, D, W, q_mask, *, config):
         num_warps=config.num_warps,
     )
 
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    q_mask_strides = q_mask.stride()
+    W_strides = W.stride()
+    grad_out_strides = grad_out.stride()
+    saved_strides = saved.stride()
+    GD_strides = GD.stride()
     maxsim_pairs_qmask_fp16_triton_norm_lowmem_weighted_bwd_d_kernel[
         lowmem_d_grid(B, Ld, config.block_l)
     ](
@@ -493,22 +514,22 @@ def backward(grad_out, saved, Q, D, W, q_mask, *, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        q_mask.stride(0),
-        q_mask.stride(1),
-        W.stride(0),
-        W.stride(1),
-        grad_out.stride(0),
-        saved.stride(0),
-        saved.stride(1),
-        GD.stride(0),
-        GD.stride(1),
-        GD.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        q_mask_strides[0],
+        q_mask_strides[1],
+        W_strides[0],
+        W_strides[1],
+        grad_out_strides[0],
+        saved_strides[0],
+        saved_strides[1],
+        GD_strides[0],
+        GD_strides[1],
+        GD_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 02d8a43150e2d6ea0df17e8a77c6b2377053d9f3531a270029779345f363b40b
+# body-sha256: 3f7df4b4ddcc09aaa532314a113c01cd0f193eb3d5f0776fd8f1c6436350d512
 
 """MaxSim forward for maxsim_varlen_nomask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -135,6 +135,9 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_varlen_nomask_bf16_triton_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
         D,
@@ -146,12 +149,12 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d97c26f6d124293db17930a501e62ecac6e8ddba4d35bc90394a49709f837cf2
+# body-sha256: a5a0490bb82fae1f9633359584d0e99671702d2d1cf01f59ead271de20d8452f
 
 """MaxSim forward for maxsim_varlen_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -144,6 +144,9 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
     maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
         D,
@@ -155,12 +158,12 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1508ce7190cc932a6475019a91d4a62d60a61f77b1f0cb8fe3e9173f15e8b586
+# body-sha256: 77a5215e01b7e689d36d400e7dc46e08e56c263a4a8e7a842f25527c5cd5a0c1
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -242,6 +242,10 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, argmax, confi
     total_q = Q.shape[0]
     total_d = D.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
+    argmax_strides = argmax.stride()
     maxsim_varlen_nomask_fp16_triton_unified_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
         D,
@@ -254,15 +258,15 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, argmax, confi
         total_q,
         total_d,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        out.stride(0),
-        out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        out_strides[0],
+        out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
@@ -285,6 +289,12 @@ def backward(grad_out, argmax, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q
     total_d = D.shape[0]
     GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
     GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
+    GD_strides = GD.stride()
     maxsim_varlen_nomask_fp16_triton_unified_bwd_kernel[unified_grid(Nq, Nd, config.block_n)](
         Q,
         D,
@@ -298,19 +308,19 @@ def backward(grad_out, argmax, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q
         Nd,
         total_q,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        D.stride(0),
-        D.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
-        argmax.stride(0),
-        argmax.stride(1),
-        argmax.stride(2),
-        GQ.stride(0),
-        GQ.stride(1),
-        GD.stride(0),
-        GD.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        D_strides[0],
+        D_strides[1],
+        grad_out_strides[0],
+        grad_out_strides[1],
+        argmax_strides[0],
+        argmax_strides[1],
+        argmax_strides[2],
+        GQ_strides[0],
+        GQ_strides[1],
+        GD_strides[0],
+        GD_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_K=config.block_k,
         BLOCK_N=config.block_n,

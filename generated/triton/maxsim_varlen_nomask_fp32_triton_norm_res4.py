@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a5a5fa79396c063d964d341f2342f03ee3987967a9712a374df698474512d6fa
+# body-sha256: 88fa957a4b25fde3763445370ac8715b4252fb0dcce8e029ccd0bec365f20144
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -236,6 +236,12 @@ def launch(
     total_d = codes.shape[0]
     n_centroids = centroids.shape[0]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    codes_strides = codes.stride()
+    residuals_strides = residuals.stride()
+    centroids_strides = centroids.stride()
+    bucket_weights_strides = bucket_weights.stride()
+    out_strides = out.stride()
     maxsim_varlen_nomask_fp32_triton_norm_res4_fwd_kernel[forward_grid(Nq, Nd)](
         Q,
         codes,
@@ -251,16 +257,16 @@ def launch(
         total_d,
         dim,
         n_centroids,
-        Q.stride(0),
-        Q.stride(1),
-        codes.stride(0),
-        residuals.stride(0),
-        residuals.stride(1),
-        centroids.stride(0),
-        centroids.stride(1),
-        bucket_weights.stride(0),
-        out.stride(0),
-        out.stride(1),
+        Q_strides[0],
+        Q_strides[1],
+        codes_strides[0],
+        residuals_strides[0],
+        residuals_strides[1],
+        centroids_strides[0],
+        centroids_strides[1],
+        bucket_weights_strides[0],
+        out_strides[0],
+        out_strides[1],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cdbe07293f788ecd3097fe3418d00db1ea13bbafa964f5555eec7d3ece5f512a
+# body-sha256: 41947937dca3c8218be5ad73bdfc364cd8809dfc320f36ecab804c405da943ef
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -193,6 +193,11 @@ def launch(out, Q, D, d_mask, *, cand_docs, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    cand_docs_strides = cand_docs.stride()
     topk_dense_dmask_fp16_triton_norm_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program)
     ](
@@ -206,20 +211,20 @@ def launch(out, Q, D, d_mask, *, cand_docs, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        cand_docs.stride(0),
-        cand_docs.stride(1),
-        cand_docs.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        out_strides[2],
+        cand_docs_strides[0],
+        cand_docs_strides[1],
+        cand_docs_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a55ea557bd41cd3f45a67827e8aa55b7d4cb1bafb4d11f1aa1598c8f0713a0bf
+# body-sha256: 81895a75fd2fa05bfa944f2994be027e04dd4a7e324344258dadf42ecbf845c5
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -184,6 +184,11 @@ def launch(out, Q, D, d_mask, *, cand_docs, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    d_mask_strides = d_mask.stride()
+    out_strides = out.stride()
+    cand_docs_strides = cand_docs.stride()
     topk_dense_dmask_fp32_triton_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program)
     ](
@@ -197,20 +202,20 @@ def launch(out, Q, D, d_mask, *, cand_docs, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        d_mask.stride(0),
-        d_mask.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        cand_docs.stride(0),
-        cand_docs.stride(1),
-        cand_docs.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        d_mask_strides[0],
+        d_mask_strides[1],
+        out_strides[0],
+        out_strides[1],
+        out_strides[2],
+        cand_docs_strides[0],
+        cand_docs_strides[1],
+        cand_docs_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

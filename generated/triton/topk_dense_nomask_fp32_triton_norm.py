@@ -2,7 +2,7 @@
 # variant: topk_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 09f78d942df8a95b0f133934fda104f2849f4b65faee4016982145d9ca42ba47
+# body-sha256: 405b2a6d63a876cc5db5f7c119b2247cb882d30b5c04cdbc795133e330df9f3f
 
 """MaxSim top-k candidates (retrieval) for topk_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -187,6 +187,10 @@ def launch(out, Q, D, *, cand_docs, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
+    Q_strides = Q.stride()
+    D_strides = D.stride()
+    out_strides = out.stride()
+    cand_docs_strides = cand_docs.stride()
     topk_dense_nomask_fp32_triton_norm_fwd_kernel[
         forward_grid(Nq, Nd, config.query_group, config.docs_per_program)
     ](
@@ -199,18 +203,18 @@ def launch(out, Q, D, *, cand_docs, config):
         Lq,
         Ld,
         dim,
-        Q.stride(0),
-        Q.stride(1),
-        Q.stride(2),
-        D.stride(0),
-        D.stride(1),
-        D.stride(2),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        cand_docs.stride(0),
-        cand_docs.stride(1),
-        cand_docs.stride(2),
+        Q_strides[0],
+        Q_strides[1],
+        Q_strides[2],
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        out_strides[0],
+        out_strides[1],
+        out_strides[2],
+        cand_docs_strides[0],
+        cand_docs_strides[1],
+        cand_docs_strides[2],
         BLOCK_Q=config.block_q,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,
