@@ -93,14 +93,12 @@ def maxsim(
         if squeeze_doc:
             d_mask = d_mask.unsqueeze(0)
 
-    path = dispatch.backend_of(Q)
-    if path == "triton":  # CUDA: the generated kernels (checked first: the common case)
-        out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)
-    elif metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
+    path = dispatch.backend_of(Q)  # CUDA first, without a device object: the common case
+    if path != "triton" and metal.handles(Q.device):  # MPS: Metal kernels or their fallback
         out = metal.maxsim(layout, Q3, D3, q_mask, d_mask, normalize)
     elif path == "reference":
         out = maxsim_reference(Q3, D3, q_mask, d_mask, normalize=normalize).float()
-    else:
+    else:  # the generated kernels: Triton on CUDA, or under the interpreter
         out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)
     if squeeze_doc:
         out = out[:, 0]

@@ -8,7 +8,6 @@ to lik.runtime.metal; other devices run the reference.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import os
 
@@ -127,19 +126,17 @@ def doc_splits(config, nq: int, nd: int, ld: int) -> int:
 PEEL_MIN_TILES = 4
 
 
-@functools.lru_cache(maxsize=1024)
-def _streamed(config, docs: int, splits: int, peel: bool):
-    return dataclasses.replace(config, docs_per_program=docs, doc_splits=splits, peel_tail=peel)
-
-
 def streamed(config, nq: int, nd: int, ld: int):
     """A streaming kernel's config for one call: blocks of short docs per program, or
-    token ranges of few long docs; long docs with a partial last tile peel it."""
+    token ranges of few long docs; long docs with a partial last tile peel it. (Called
+    once per call shape: _config remembers the result.)"""
     blocks = streamed_blocks(config, nq, nd, ld)
     if blocks > 1:
-        return _streamed(config, blocks, 1, False)
+        return dataclasses.replace(config, docs_per_program=blocks)
     peel = ld % config.block_l != 0 and ld // config.block_l >= PEEL_MIN_TILES
-    return _streamed(config, 1, doc_splits(config, nq, nd, ld), peel)
+    return dataclasses.replace(
+        config, docs_per_program=1, doc_splits=doc_splits(config, nq, nd, ld), peel_tail=peel
+    )
 
 
 def _keyed_config(
