@@ -12,12 +12,13 @@ _D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
 
 
 # "auto" sends an in-batch (dense) backward to lowmem from this many scored pairs on.
-# Measured on an H200 (benchmarks/results/train_H200.md, forward + backward): in-batch
-# 256 x 256 (65536 pairs) lowmem 1.43 ms vs unified 1.48 (an earlier run: 1.97 vs 2.30);
-# colpali 32 x 32 (1024 pairs) unified 0.58 vs lowmem 0.68 in the earlier run, 0.97 vs
-# 0.74 in the latest: within run-to-run spread. Lowmem's peak memory is a third of
-# unified's, so it takes every case where it is not clearly slower.
-AUTO_LOWMEM_MIN_PAIRS = 128 * 128
+# Measured on an H200 (forward + backward, bf16): in-batch 256 x 256 (65536 pairs) lowmem
+# 1.44 ms vs unified 1.43 with the default launch configs; colpali 32 x 32 (1024 pairs)
+# lowmem 0.36 vs unified 0.43 with them, and lowmem's backward has its own tuned
+# configs since (0.29 -> 0.21 ms at colpali 32; benchmarks/results/train_H200.md).
+# Lowmem's peak memory is a third of unified's, so it takes every case where it is not
+# clearly slower.
+AUTO_LOWMEM_MIN_PAIRS = 32 * 32
 
 
 def _needs_grad(Q: torch.Tensor, D: torch.Tensor) -> bool:

@@ -140,19 +140,21 @@ def streamed(config, nq: int, nd: int, ld: int):
 
 
 def _keyed_config(
-    name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int, doc_tokens: int
-):
+    name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int, doc_tokens: int,
+    kernel: str,
+):  # fmt: skip
     """The launch config of a call: its tuning key's config (looked up once per key), then,
     for kernels that stream docs, the doc blocks or token ranges `docs` and `doc_tokens`
     (Nd and Ld) call for."""
     queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
-    cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries)
+    cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries,
+                 kernel)  # fmt: skip
     config = _configs.get(cache_key)
     if config is None:
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
-                        lq_bucket(lq), size_class(programs), queries)  # fmt: skip
+                        lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
-    if getattr(module, "DOC_STREAM", False):
+    if kernel == "fwd" and getattr(module, "DOC_STREAM", False):
         config = streamed(config, Q.shape[0], docs, doc_tokens)
     return config
 
@@ -165,14 +167,19 @@ _call_configs: dict[tuple, object] = {}
 CALL_CONFIG_CACHE_SIZE = 4096
 
 
-def _config(name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=0, doc_tokens=0):
-    """The launch config of a call (see _keyed_config), remembered per call shape."""
-    call = (name, Q.get_device(), Q.shape[0], Q.shape[-1], lq, programs, docs, doc_tokens)
+def _config(
+    name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=0, doc_tokens=0,
+    kernel="fwd",
+):  # fmt: skip
+    """The launch config of a call (see _keyed_config), remembered per call shape.
+    kernel: "fwd", or "bwd" for a training variant's backward kernels."""
+    call = (name, Q.get_device(), Q.shape[0], Q.shape[-1], lq, programs, docs, doc_tokens,
+            kernel)  # fmt: skip
     config = _call_configs.get(call)
     if config is None:
         if len(_call_configs) >= CALL_CONFIG_CACHE_SIZE:
             _call_configs.clear()
-        config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens)
+        config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, kernel)
         _call_configs[call] = config
     return config
 
@@ -310,7 +317,7 @@ def backward(
     module = registry.load(name)
     grad_q_chunks, grad_d = [], None
     for start, stop in _chunks(lq):
-        config = _config(name, module, Q, stop - start, grad_out.numel())
+        config = _config(name, module, Q, stop - start, grad_out.numel(), kernel="bwd")
         if stop - start == lq:
             (gq, gd), _ = _launch(module.backward, config, grad_out, argmax, Q, D)
         else:
@@ -366,7 +373,7 @@ def backward_ragged(
         return torch.zeros_like(Q), torch.zeros_like(D)
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
-    config = _config(name, module, Q, max_seqlen_q, grad_out.numel())
+    config = _config(name, module, Q, max_seqlen_q, grad_out.numel(), kernel="bwd")
     grads, _ = _launch(
         module.backward, config, grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q
     )

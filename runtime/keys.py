@@ -105,6 +105,10 @@ class KernelKey:
     lq: int  # Lq bucket
     size: str  # size_class of the grid
     queries: int = 1  # query_bucket(Nq) for layouts that stack queries (dense), else 1
+    # "fwd", or "bwd" for a training variant's backward kernels: they tile differently
+    # from its forward (grad_D's one-hot dots) and are tuned apart.
+    kernel: str = "fwd"
 
     def table_key(self) -> str:
-        return f"{self.variant}|{self.head_dim}|{self.lq}|{self.size}|q{self.queries}"
+        key = f"{self.variant}|{self.head_dim}|{self.lq}|{self.size}|q{self.queries}"
+        return key if self.kernel == "fwd" else f"{key}|{self.kernel}"

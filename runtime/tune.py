@@ -1,8 +1,9 @@
 """`make tune`: sweep launch configs on this GPU and write the committed tuning table.
 
 For each benchmark shape (benchmarks' PERF shapes, bf16, the variant a plain
-`maxsim(Q, D)` call uses), every candidate config is checked against the first one's
-output and timed with triton.testing.do_bench (median). Shapes that share a KernelKey
+`maxsim(Q, D)` call uses; and the training steps' forward and backward kernels, keyed
+apart), every candidate config is checked against the first one's output and timed
+with triton.testing.do_bench (median). Shapes that share a KernelKey
 (colbert-rerank and text-long differ only in Ld, which no key holds) are tuned
 together: the config whose times are the smallest multiple of each shape's own best
 (geometric mean) wins. It is written to runtime/tuning/<family>.toml under the key; the
@@ -45,9 +46,19 @@ SHAPES = [
     ("corpus-100k", 16, 100000, 32, 128, 128),
     ("train-colpali-32", 32, 32, 128, 1024, 128),
 ]
+# (name, Nq, Nd or docs per query (kd), Lq, Ld, d, layout): the training steps of
+# benchmarks/bench_train.py with the lowmem backward. Their forward (argmax saved) and
+# backward kernels are keyed and tuned apart.
+TRAIN_SHAPES = [
+    ("step-inbatch-256", 256, 256, 32, 300, 128, "dense"),
+    ("step-colpali-32", 32, 32, 128, 1024, 128, "dense"),
+    ("step-kd-64x32", 64, 32, 32, 300, 128, "kd"),
+]
+TRAIN_STRATEGY = "lowmem"
 BLOCK_L = (32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
+BACKWARD_STAGES = (2, 3)
 
 
 def key_for(shape, family: str) -> KernelKey:
@@ -59,42 +70,93 @@ def key_for(shape, family: str) -> KernelKey:
                      size_class(nq * nd), query_bucket(nq))  # fmt: skip
 
 
+def train_keys(shape, family: str) -> tuple[KernelKey, KernelKey]:
+    """The forward and backward KernelKeys of a bf16 training step of this shape."""
+    _, nq, nd, lq, _, d, layout = shape
+    name = variant_name(layout, False, False, False, torch.bfloat16, backward=TRAIN_STRATEGY)
+    queries = query_bucket(nq) if layout == "dense" else 1
+    bucket = (name, family, padded_head_dim(d), lq_bucket(lq), size_class(nq * nd), queries)
+    return KernelKey(*bucket), KernelKey(*bucket, kernel="bwd")
+
+
 def candidates(key: KernelKey):
+    if key.kernel == "bwd":  # grad_D's doc-token blocks; no queries stack there
+        for block_l, warps, stages in itertools.product(BLOCK_L, NUM_WARPS, BACKWARD_STAGES):
+            yield LaunchConfig(key.lq, block_l, key.head_dim, warps, stages)
+        return
     # One query alone is always a candidate; stacking stops at twice a full tile.
     groups = [1] + [g for g in (2, 4, 8) if g <= key.queries and g * key.lq <= 2 * STACKED_ROWS]
     for block_l, warps, stages, group in itertools.product(BLOCK_L, NUM_WARPS, NUM_STAGES, groups):
         yield LaunchConfig(key.lq, block_l, key.head_dim, warps, stages, query_group=group)
 
 
-def _inputs(shape):
+def _generator():
+    return torch.Generator("cuda").manual_seed(0)
+
+
+def forward_run(module, shape):
+    """run(config) -> (scores,) of a plain forward of this shape (its first 512 query
+    tokens where longer, as keyed), with the doc blocks or token ranges dispatch derives."""
     _, nq, nd, lq, ld, d = shape
-    g = torch.Generator("cuda").manual_seed(0)
+    g = _generator()
     Q = torch.randn(nq, min(lq, 512), d, device="cuda", generator=g).to(torch.bfloat16)
     D = torch.randn(nd, ld, d, device="cuda", generator=g).to(torch.bfloat16)
-    return Q, D, torch.empty(nq, nd, device="cuda")
+    out = torch.empty(nq, nd, device="cuda")
+
+    def run(config):
+        if getattr(module, "DOC_STREAM", False):
+            config = dispatch.streamed(config, nq, nd, ld)
+        module.launch(out, Q, D, config=config)
+        return (out,)
+
+    return run
 
 
-def time_config(module, shape, inputs, config, reference, quick: bool):
-    """Median ms of one config on one shape (queries longer than 512 tokens: their first
-    chunk, as keyed), or None when it does not launch or disagrees with `reference`."""
+def train_runs(module, shape):
+    """(forward run, backward run) of a training step of this shape: the forward saves
+    the argmax the backward reads; each returns its outputs."""
+    _, nq, nd, lq, ld, d, layout = shape
+    g = _generator()
+    Q = torch.randn(nq, lq, d, device="cuda", generator=g).to(torch.bfloat16)
+    docs = (nq, nd) if layout == "kd" else (nd,)
+    D = torch.randn(*docs, ld, d, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(nq, nd, device="cuda")
+    saved = torch.empty(nq, nd, lq, dtype=torch.int16, device="cuda")
+    grad_out = torch.randn(nq, nd, device="cuda", generator=g)
+    # The backward reads fixed winners, whichever forward config ran last.
+    spec = "qsd,qntd->qnst" if layout == "kd" else "qsd,ntd->qnst"
+    argmax = torch.einsum(spec, Q.float(), D.float()).argmax(-1).to(torch.int16)
+
+    def forward(config):
+        module.launch(out, Q, D, argmax=saved, config=config)
+        return out, saved
+
+    def backward(config):
+        return module.backward(grad_out, argmax, Q, D, config=config)
+
+    return forward, backward
+
+
+def time_config(run, config, reference, quick: bool):
+    """(median ms, outputs) of run(config); (None, None) when it does not launch or its
+    outputs disagree with `reference` (the first config's)."""
     from triton.testing import do_bench
 
-    _, nq, nd, _, ld, _ = shape
-    Q, D, out = inputs
-    if getattr(module, "DOC_STREAM", False):  # doc blocks or token ranges, as dispatch
-        config = dispatch.streamed(config, nq, nd, ld)
     try:
-        module.launch(out, Q, D, config=config)
+        outputs = [t.clone() for t in run(config)]
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - a config that does not fit is skipped
         print(f"  skip {config}: {type(error).__name__}", flush=True)
-        return None
-    if reference is not None and not torch.allclose(out, reference, rtol=1e-3, atol=1e-3):
+        return None, None
+    if reference is not None and not all(
+        torch.allclose(o.float(), r.float(), rtol=1e-3, atol=1e-3)
+        for o, r in zip(outputs, reference, strict=True)
+    ):
         print(f"  MISMATCH {config}: results differ from the first config", flush=True)
-        return None
-    return do_bench(lambda: module.launch(out, Q, D, config=config),
-                    warmup=10 if quick else 25, rep=40 if quick else 100,
-                    return_mode="median")  # fmt: skip
+        return None, None
+    ms = do_bench(lambda: run(config), warmup=10 if quick else 25, rep=40 if quick else 100,
+                  return_mode="median")  # fmt: skip
+    return ms, outputs
 
 
 def best_joint(times: dict) -> tuple | None:
@@ -113,37 +175,54 @@ def best_joint(times: dict) -> tuple | None:
     return min(complete, key=slowdown)
 
 
-def tune_key(shapes, quick: bool) -> tuple[str, dict] | None:
-    """Tunes the shapes that share one KernelKey; returns (table key, entry)."""
-    key = key_for(shapes[0], gpu_family(torch.device("cuda")))
-    module = registry.load(key.variant)
-    inputs = [_inputs(shape) for shape in shapes]
-    references = [None] * len(shapes)
+def tune_key(key: KernelKey, runs, names: str, quick: bool) -> tuple[str, dict] | None:
+    """Tunes one KernelKey over the runs (one per shape sharing it); returns (table key,
+    entry)."""
+    references = [None] * len(runs)
     times = {}
     for config in candidates(key):
         times[config] = []
-        for i, shape in enumerate(shapes):
-            ms = time_config(module, shape, inputs[i], config, references[i], quick)
+        for i, run in enumerate(runs):
+            ms, outputs = time_config(run, config, references[i], quick)
             if ms is not None and references[i] is None:
-                references[i] = inputs[i][2].clone()
+                references[i] = outputs
             times[config].append(ms)
         shown = ", ".join("-" if ms is None else f"{ms:.4f}" for ms in times[config])
-        print(f"  block_l={config.block_l} num_warps={config.num_warps} "
-              f"num_stages={config.num_stages} query_group={config.query_group}: {shown} ms",
-              flush=True)  # fmt: skip
-    names = ", ".join(shape[0] for shape in shapes)
+        print(f"  {describe(config)}: {shown} ms", flush=True)
     config = best_joint(times)
     if config is None:
         print(f"[{names}] {key.table_key()}: no config ran; left to the default", flush=True)
         return None
     ms = [round(t, 4) for t in times[config]]
-    print(f"[{names}] {key.table_key()}: {ms} ms with block_l={config.block_l} "
-          f"num_warps={config.num_warps} num_stages={config.num_stages} "
-          f"query_group={config.query_group}", flush=True)  # fmt: skip
+    print(f"[{names}] {key.table_key()}: {ms} ms with {describe(config)}", flush=True)
     entry = {"block_l": config.block_l, "num_warps": config.num_warps,
              "num_stages": config.num_stages, "query_group": config.query_group,
              "block_n": 8, "ms": ms[0] if len(ms) == 1 else ms, "shape": names}  # fmt: skip
     return key.table_key(), entry
+
+
+def describe(config: LaunchConfig) -> str:
+    return (f"block_l={config.block_l} num_warps={config.num_warps} "
+            f"num_stages={config.num_stages} query_group={config.query_group}")  # fmt: skip
+
+
+def tune_forward(shapes, family: str, quick: bool):
+    """(table key, entry) per key of the plain forward shapes, shapes sharing a key
+    tuned together."""
+    for group in shapes_by_key(shapes, family).values():
+        key = key_for(group[0], family)
+        module = registry.load(key.variant)
+        runs = [forward_run(module, shape) for shape in group]
+        yield tune_key(key, runs, ", ".join(shape[0] for shape in group), quick)
+
+
+def tune_training(shapes, family: str, quick: bool):
+    """(table key, entry) for the forward and the backward key of each training shape."""
+    for shape in shapes:
+        keys = train_keys(shape, family)
+        runs = train_runs(registry.load(keys[0].variant), shape)
+        for key, run in zip(keys, runs, strict=True):
+            yield tune_key(key, [run], shape[0], quick)
 
 
 def shapes_by_key(shapes, family: str) -> dict[str, list]:
@@ -165,8 +244,9 @@ def _toml_value(value) -> str:
 def write_table(path: Path, family: str, entries: dict[str, dict], device_name: str) -> None:
     lines = [
         f"# Launch configs for the {family} GPU family, written by `make tune` on {device_name}.",
-        '# Keys: "variant|padded head dim|Lq bucket|size class|q<query bucket>" '
-        "(lik.runtime.keys.KernelKey).",
+        '# Keys: "variant|padded head dim|Lq bucket|size class|q<query bucket>", then "|bwd" '
+        "for a",
+        "# training variant's backward kernels (lik.runtime.keys.KernelKey).",
         "# Keys absent here use lik.runtime.tuning.default_config. ms is the tuned median",
         "# (one per shape, in order, where shapes share a key).",
         "[configs]",
@@ -190,8 +270,10 @@ def main(argv=None) -> int:
     entries = dict(load_table(family))  # keep keys tuned earlier for other shapes
     wanted = set(args.shapes.split(",")) if args.shapes else None
     shapes = [s for s in SHAPES if not wanted or s[0] in wanted]
-    for group in shapes_by_key(shapes, family).values():
-        result = tune_key(group, args.quick)
+    train_shapes = [s for s in TRAIN_SHAPES if not wanted or s[0] in wanted]
+    results = itertools.chain(tune_forward(shapes, family, args.quick),
+                              tune_training(train_shapes, family, args.quick))  # fmt: skip
+    for result in results:
         if result:
             entries[result[0]] = result[1]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,39 @@ def test_benchmark_shapes_resolve_to_hopper_entries(shape):
     assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
 
 
+@pytest.mark.parametrize("shape", tune.TRAIN_SHAPES, ids=[s[0] for s in tune.TRAIN_SHAPES])
+def test_training_shapes_resolve_forward_and_backward_hopper_entries(shape):
+    forward, backward = tune.train_keys(shape, "hopper")
+    assert backward.table_key() == forward.table_key() + "|bwd"
+    for key in (forward, backward):
+        entry = load_table("hopper").get(key.table_key())
+        assert entry is not None, f"{key.table_key()} has no entry: run make tune on a Hopper GPU"
+
+
+def test_backward_kernels_take_their_own_tuning_key(monkeypatch):
+    import torch
+
+    from lik.runtime import maxsim, tuning
+
+    monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    asked = []
+
+    def recording_config_for(key, smem_bytes):
+        asked.append(key)
+        return tuning.config_for(key, smem_bytes)
+
+    monkeypatch.setattr(dispatch, "config_for", recording_config_for)
+    Q = torch.randn(3, 5, 16, requires_grad=True)
+    D = torch.randn(4, 7, 16, requires_grad=True)
+    maxsim(Q, D, backward="lowmem").sum().backward()
+    assert [(key.variant, key.kernel) for key in asked] == [
+        ("maxsim_dense_nomask_fp32_triton_lowmem", "fwd"),
+        ("maxsim_dense_nomask_fp32_triton_lowmem", "bwd"),
+    ]
+    assert Q.grad is not None and D.grad is not None
+
+
 def test_out_of_resources_shrinks_the_config_step_by_step(monkeypatch):
     monkeypatch.setattr(dispatch, "_fitted", {})
 
