@@ -185,6 +185,7 @@ Nq, Nd, K, B, P, Lq, Ld, n_rows = sympy.symbols(
 BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, QUERY_GROUP, num_stages = sympy.symbols(
     "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R QUERY_GROUP num_stages", integer=True, positive=True
 )
+GRAD_Q_TOKENS = sympy.Symbol("GRAD_Q_TOKENS", integer=True, positive=True)
 DOCS_PER_PROGRAM, DOC_SPLITS = sympy.symbols(
     "DOCS_PER_PROGRAM DOC_SPLITS", integer=True, positive=True
 )
@@ -446,14 +447,7 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
                 )
             )
     if variant.backward is Backward.LOWMEM:
-        formulas.append(
-            _formula(
-                "lowmem_q_grid",
-                sympy.Tuple(queries),
-                (str(queries),),
-                "Programs of grad_Q: one per query, owning its rows.",
-            )
-        )
+        formulas.append(_lowmem_q_grid(variant, queries))
         doc_count = shape["doc_count"]
         params = tuple(sorted(str(s) for s in doc_count.free_symbols)) + ("Ld", "BLOCK_L")
         formulas.append(
@@ -465,6 +459,24 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
             )
         )
     return tuple(formulas)
+
+
+def _lowmem_q_grid(variant: Variant, queries: sympy.Expr) -> Formula:
+    """grad_Q's grid: the argmax backward splits each query's tokens over programs (rows
+    are gathered, each on its own); the recompute backward multiplies whole query tiles."""
+    if variant.score is Score.MAX:
+        return _formula(
+            "lowmem_q_grid",
+            sympy.Tuple(queries * sympy.ceiling(Lq / GRAD_Q_TOKENS)),
+            (str(queries), "Lq", "GRAD_Q_TOKENS"),
+            "Programs of grad_Q: one per (query, block of query tokens), owning its rows.",
+        )
+    return _formula(
+        "lowmem_q_grid",
+        sympy.Tuple(queries),
+        (str(queries),),
+        "Programs of grad_Q: one per query, owning its rows.",
+    )
 
 
 def _grid_call_params(

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: aa87a3d3d7e86680268d97bbd4e40f3f81ab0ecef2463ec9d0266be11638eb99
+# body-sha256: 98753083acfd3c42a49dcd76c2a92e3299ba5d70cf8748c9ce471f14c94910d2
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -172,16 +172,18 @@ def maxsim_dense_dmask_bf16_triton_norm_lowmem_bwd_q_kernel(
     stride_gqb,
     stride_gqs,
     stride_gqk,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    query = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_Q)
+    pid = tl.program_id(0).to(tl.int64)
+    token_blocks = tl.cdiv(Lq, BLOCK_S)
+    query = pid // token_blocks
+    offs_s = (pid % token_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
-    grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
+    grad_q = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
     for doc_index in range(0, Nd):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
@@ -305,9 +307,9 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     return 2 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def lowmem_q_grid(Nq):
-    """Programs of grad_Q: one per query, owning its rows."""
-    return (Nq,)
+def lowmem_q_grid(Nq, Lq, GRAD_Q_TOKENS):
+    """Programs of grad_Q: one per (query, block of query tokens), owning its rows."""
+    return (Nq * cdiv(Lq, GRAD_Q_TOKENS),)
 
 
 def lowmem_d_grid(Nd, Ld, BLOCK_L):
@@ -364,6 +366,10 @@ def launch(out, Q, D, d_mask, *, argmax, config):
     return out
 
 
+# Query tokens per grad_Q program (its rows are gathered, not multiplied: no tile minimum).
+GRAD_Q_TOKENS = 8
+
+
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) written directly in the inputs' dtype by their owner programs."""
     Nq = Q.shape[0]
@@ -379,7 +385,7 @@ def backward(grad_out, argmax, Q, D, *, config):
     grad_out_strides = grad_out.stride()
     argmax_strides = argmax.stride()
     GQ_strides = GQ.stride()
-    maxsim_dense_dmask_bf16_triton_norm_lowmem_bwd_q_kernel[lowmem_q_grid(Nq)](
+    maxsim_dense_dmask_bf16_triton_norm_lowmem_bwd_q_kernel[lowmem_q_grid(Nq, Lq, GRAD_Q_TOKENS)](
         Q,
         D,
         grad_out,
@@ -402,9 +408,9 @@ def backward(grad_out, argmax, Q, D, *, config):
         GQ_strides[0],
         GQ_strides[1],
         GQ_strides[2],
-        BLOCK_Q=config.block_q,
+        BLOCK_S=GRAD_Q_TOKENS,
         BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
+        num_warps=4,
     )
 
     Q_strides = Q.stride()

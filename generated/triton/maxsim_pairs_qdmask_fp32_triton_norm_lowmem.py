@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b90b0e811017566317d58e2d598e6c27190fc2d23bec4cb5d6a57fff66e5479d
+# body-sha256: ebcbf5f0d2028ddf44ce3a25c347840975701eb0f401d84026e1bcdbe9d56f13
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -162,16 +162,18 @@ def maxsim_pairs_qdmask_fp32_triton_norm_lowmem_bwd_q_kernel(
     stride_gqb,
     stride_gqs,
     stride_gqk,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    query = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_Q)
+    pid = tl.program_id(0).to(tl.int64)
+    token_blocks = tl.cdiv(Lq, BLOCK_S)
+    query = pid // token_blocks
+    offs_s = (pid % token_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
-    grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
+    grad_q = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
     for doc_index in range(0, 1):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
         g = tl.load(Grad + query * stride_gb)
@@ -290,9 +292,9 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def lowmem_q_grid(B):
-    """Programs of grad_Q: one per query, owning its rows."""
-    return (B,)
+def lowmem_q_grid(B, Lq, GRAD_Q_TOKENS):
+    """Programs of grad_Q: one per (query, block of query tokens), owning its rows."""
+    return (B * cdiv(Lq, GRAD_Q_TOKENS),)
 
 
 def lowmem_d_grid(B, Ld, BLOCK_L):
@@ -348,6 +350,10 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
     return out
 
 
+# Query tokens per grad_Q program (its rows are gathered, not multiplied: no tile minimum).
+GRAD_Q_TOKENS = 8
+
+
 def backward(grad_out, argmax, Q, D, *, config):
     """(grad_Q, grad_D) written directly in the inputs' dtype by their owner programs."""
     B = Q.shape[0]
@@ -362,7 +368,7 @@ def backward(grad_out, argmax, Q, D, *, config):
     grad_out_strides = grad_out.stride()
     argmax_strides = argmax.stride()
     GQ_strides = GQ.stride()
-    maxsim_pairs_qdmask_fp32_triton_norm_lowmem_bwd_q_kernel[lowmem_q_grid(B)](
+    maxsim_pairs_qdmask_fp32_triton_norm_lowmem_bwd_q_kernel[lowmem_q_grid(B, Lq, GRAD_Q_TOKENS)](
         Q,
         D,
         grad_out,
@@ -382,9 +388,9 @@ def backward(grad_out, argmax, Q, D, *, config):
         GQ_strides[0],
         GQ_strides[1],
         GQ_strides[2],
-        BLOCK_Q=config.block_q,
+        BLOCK_S=GRAD_Q_TOKENS,
         BLOCK_K=config.block_k,
-        num_warps=config.num_warps,
+        num_warps=4,
     )
 
     Q_strides = Q.stride()
