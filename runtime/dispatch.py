@@ -154,7 +154,7 @@ def _keyed_config(
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
                         lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
-    if kernel == "fwd" and getattr(module, "DOC_STREAM", False):
+    if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
         config = streamed(config, Q.shape[0], docs, doc_tokens)
     return config
 

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0d431526abd85fc3ada53a04a5e3fc2bf3a06594f699b5d0a8ef24c4c2041448
+# body-sha256: 07d98b974495ac2685e0c905101c73f47d0bd66edc9ba663d44eeb8d2a99d3b7
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -98,9 +98,9 @@ def maxsim_dense_nomask_fp16_triton_unified_fwd_kernel(
         t_valid = offs_t < d_len
         if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # The max first (NaN kept), then the earliest token equal to it: four cheap ops per
-        # similarity, where a fused (value, index) reduction costs about twice that and drops
-        # NaN. Strict > keeps the earliest doc token on ties across tiles too.
+        # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+        # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+        # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
         tile_best = tl.reduce(sim, 1, _max_keep_nan)
         slot = tl.arange(0, BLOCK_L)
         tile_index = tl.min(tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1)

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 11de3563c265ce241e831bf25899b6fe3a08ec2494494def4d09a3b35135cc04
+# body-sha256: 624557eac31123f50457de4fd6177c77cdacac8ee8879ca26b0db55bec676a28
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -112,9 +112,9 @@ def maxsim_kd_nomask_fp16_triton_norm_unified_fwd_kernel(
         t_valid = offs_t < d_len
         if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # The max first (NaN kept), then the earliest token equal to it: four cheap ops per
-        # similarity, where a fused (value, index) reduction costs about twice that and drops
-        # NaN. Strict > keeps the earliest doc token on ties across tiles too.
+        # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+        # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+        # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
         tile_best = tl.reduce(sim, 1, _max_keep_nan)
         slot = tl.arange(0, BLOCK_L)
         tile_index = tl.min(tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1)

