@@ -151,6 +151,12 @@ class RenderContext:
     # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
     # Ld, chosen per call) and then masks no doc token.
     even_tiles: bool = False
+    # The lowmem grad_D multiplies only the query tokens a route pass listed per (doc,
+    # tile) (dense: every query scores every doc); fp16 scales g per step of rows.
+    routed_grad_d: bool = False
+    routed_g_scale: bool = False
+    bwd_route_args: tuple[KernelArg, ...] = ()
+    bwd_route_dynamic: tuple[str, ...] = ()
 
 
 class PlanError(ValueError):
@@ -251,6 +257,7 @@ _KERNEL_SIZES = {
     "bwd_q": {Layout.DENSE: ("Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
     "bwd_d": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
               Layout.PAIRS: ("Lq", "Ld")},
+    "bwd_route": {Layout.DENSE: ("Nq", "Lq", "Ld")},
 }  # fmt: skip
 
 
@@ -327,13 +334,21 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     bwd_q_strides = (q_strides if normalize else []) + d_strides
     bwd_d_inputs = q + (d if normalize else []) + grad + argmax
     bwd_d_strides = q_strides + (d_strides if normalize else [])
+    # Dense grad_D reads the winner lists a route pass writes (lowmem.py.j2).
+    route, route_args = [], ()
+    if routes_grad_d(variant):
+        route = [KernelArg("Route", "route"), KernelArg("RouteStart", "route_start"),
+                 KernelArg("RouteCount", "route_count")]  # fmt: skip
+        route_sizes = [KernelArg(s, s) for s in _KERNEL_SIZES["bwd_route"][layout]]
+        route_args = tuple(argmax + route + route_sizes + argmax_strides)
     return {
+        "bwd_route": route_args,
         "fwd": tuple(fwd + sizes("fwd") + fwd_strides),
         "bwd": tuple(q + d + ragged + grad + argmax + gq + gd + sizes("bwd") + q_strides + d_strides
                      + grad_strides + argmax_strides + gq_strides + gd_strides),
         "bwd_q": tuple(bwd_q_inputs + gq + sizes("bwd_q") + bwd_q_strides + grad_strides
                        + argmax_strides + gq_strides),
-        "bwd_d": tuple(bwd_d_inputs + gd + sizes("bwd_d") + bwd_d_strides + grad_strides
+        "bwd_d": tuple(bwd_d_inputs + route + gd + sizes("bwd_d") + bwd_d_strides + grad_strides
                        + argmax_strides + gd_strides),
     }  # fmt: skip
 
@@ -369,6 +384,18 @@ def _recompute_args(variant, weights, tau, saved, saved_strides):
         "bwd_d": tuple(inputs + per_pair + [KernelArg("GD", "GD")] + tau + sizes("bwd_d")
                        + input_strides + grad_strides + saved_strides + gd_strides),
     }  # fmt: skip
+
+
+def routes_grad_d(variant: Variant) -> bool:
+    """Whether the lowmem grad_D reads winner lists from a route pass (Triton, dense, max):
+    every query scores every doc, so a one-hot tile over whole queries would be mostly
+    zeros. Metal keeps its own one-query-at-a-time loop."""
+    return (
+        variant.target is Target.TRITON
+        and variant.backward is Backward.LOWMEM
+        and variant.score is Score.MAX
+        and variant.layout in _KERNEL_SIZES["bwd_route"]
+    )
 
 
 # Layouts whose docs all hold Ld tokens (ragged ones end each doc at its own length).
@@ -533,6 +560,7 @@ def plan(variant: Variant):
         layout = variant.layout.value
         raise PlanError(f"{variant.name}: the lowmem backward has no {layout} template")
     args = _kernel_args(variant)
+    routed = routes_grad_d(variant)
     formulas = _formulas(variant)
     blocks = {"BLOCK_N": "config.block_n", "BLOCK_L": "config.block_l",
               "QUERY_GROUP": "config.query_group",
@@ -609,4 +637,8 @@ def plan(variant: Variant):
         scaled=plan_fp8.is_scaled(variant),
         doc_stream=streams_docs(variant),
         even_tiles=variant.layout in _EVEN_TILE_LAYOUTS and not variant.mask.has_d,
+        routed_grad_d=routed,
+        routed_g_scale=routed and variant.dtype is DType.FP16,
+        bwd_route_args=args["bwd_route"] if routed else (),
+        bwd_route_dynamic=_KERNEL_SIZES["bwd_route"][variant.layout] if routed else (),
     )

@@ -195,7 +195,7 @@ def _smaller(config):
     return None
 
 
-# Configs that did not fit this process's GPU -> the smaller config that did. Empty on
+# (launcher, config) that did not fit this process's GPU -> the smaller config that did. Empty on
 # the GPUs the table was tuned for, so the hot path pays only a truth test.
 _fitted: dict = {}
 
@@ -203,10 +203,12 @@ _fitted: dict = {}
 def _launch(launch, config, *args, **kwargs):
     """Launches; a config that does not fit this GPU (shared memory estimates are not
     exact: fp32 tf32x3 dots need more) is shrunk step by step, and the one that fitted is
-    launched directly next time (per-call derived configs included)."""
-    requested = config
+    launched directly next time (per-call derived configs included). What fits is per
+    launcher: a backward that had to shrink must not shrink the forward of the same config
+    (a different tile would change its rounding, and lowmem training is bitwise repeatable)."""
+    requested = (launch, config)
     if _fitted:
-        config = _fitted.get(requested, requested)
+        config = _fitted.get(requested, config)
     while True:
         try:
             result = launch(*args, config=config, **kwargs)
@@ -217,7 +219,7 @@ def _launch(launch, config, *args, **kwargs):
             if config is None:
                 raise
             continue
-        if config is not requested:
+        if config is not requested[1]:
             _fitted[requested] = config
         return result, config
 

@@ -73,6 +73,8 @@ def test_out_of_resources_shrinks_the_config_step_by_step(monkeypatch):
     tried.clear()
     assert dispatch._launch(launch, start) == ("ok", fitted)
     assert tried == [fitted]
+    # Another launcher with the same config (a forward beside its backward) keeps it.
+    assert dispatch._launch(lambda *, config: config, start) == (start, start)
 
 
 def test_other_launch_errors_are_not_swallowed():

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3fd243aff660436c1dea355498a8c3f53a89f464330ec619d9982e8aacecc5b3
+# body-sha256: 591ab7a854ef7933fe28ab20f3e0b83cab5d29b7968a31837894b291d031d2e1
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -200,26 +200,26 @@ def maxsim_pairs_qdmask_fp16_triton_lowmem_bwd_d_kernel(
     owner = pid // token_blocks
     offs_t = (pid % token_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)
     query = owner
-    offs_s = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
-    q_in_range = offs_s < Lq
     k_in_range = offs_k < dim
-    q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
-    for _ in range(0, 1):  # the one query that scored this doc
-        g = tl.load(Grad + query * stride_gb)
-        index = tl.load(
-            Argmax + query * stride_ab + offs_s * stride_as,
-            mask=q_in_range,
-            other=-1,
-        )
-        q = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask,
-            other=0.0,
-        )
-        won = (offs_t[:, None] == index[None, :]).to(DOT_DTYPE)  # [BLOCK_L, BLOCK_Q], exact
-        grad_d += g * tl.dot(won, q.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+    offs_s = tl.arange(0, BLOCK_Q)
+    q_in_range = offs_s < Lq
+    q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
+    # The one query that scored this doc: its whole tile is the rows.
+    g = tl.load(Grad + query * stride_gb)
+    index = tl.load(
+        Argmax + query * stride_ab + offs_s * stride_as,
+        mask=q_in_range,
+        other=-1,
+    )
+    q = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask,
+        other=0.0,
+    )
+    won = (offs_t[:, None] == index[None, :]).to(DOT_DTYPE)  # [BLOCK_L, BLOCK_Q], exact
+    grad_d += g * tl.dot(won, q.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     t_mask = (offs_t < Ld)[:, None] & k_in_range[None, :]
     tl.store(
         GD + query * stride_gdb + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
@@ -317,34 +317,8 @@ def backward(grad_out, argmax, Q, D, *, config):
     Lq = Q.shape[1]
     dim = Q.shape[2]
     Ld = D.shape[1]
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = _dot_config(config)
-    D_strides = D.stride()
-    grad_out_strides = grad_out.stride()
-    argmax_strides = argmax.stride()
-    GQ_strides = GQ.stride()
-    maxsim_pairs_qdmask_fp16_triton_lowmem_bwd_q_kernel[lowmem_q_grid(B, Lq, GRAD_Q_TOKENS)](
-        D,
-        grad_out,
-        argmax,
-        GQ,
-        Lq,
-        dim,
-        D_strides[0],
-        D_strides[1],
-        D_strides[2],
-        grad_out_strides[0],
-        argmax_strides[0],
-        argmax_strides[1],
-        GQ_strides[0],
-        GQ_strides[1],
-        GQ_strides[2],
-        BLOCK_S=GRAD_Q_TOKENS,
-        BLOCK_K=config.block_k,
-        num_warps=4,
-    )
-
     Q_strides = Q.stride()
     grad_out_strides = grad_out.stride()
     argmax_strides = argmax.stride()
@@ -373,6 +347,32 @@ def backward(grad_out, argmax, Q, D, *, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )
+
+    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    D_strides = D.stride()
+    grad_out_strides = grad_out.stride()
+    argmax_strides = argmax.stride()
+    GQ_strides = GQ.stride()
+    maxsim_pairs_qdmask_fp16_triton_lowmem_bwd_q_kernel[lowmem_q_grid(B, Lq, GRAD_Q_TOKENS)](
+        D,
+        grad_out,
+        argmax,
+        GQ,
+        Lq,
+        dim,
+        D_strides[0],
+        D_strides[1],
+        D_strides[2],
+        grad_out_strides[0],
+        argmax_strides[0],
+        argmax_strides[1],
+        GQ_strides[0],
+        GQ_strides[1],
+        GQ_strides[2],
+        BLOCK_S=GRAD_Q_TOKENS,
+        BLOCK_K=config.block_k,
+        num_warps=4,
     )
 
     return GQ, GD
