@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6a5c1857ad12a00ba61363bcd593f23a1c0feeae8d7a724fd400cadf9c52bedb
+# body-sha256: c5917460b4a2da76fa66ddc627902edd2b54ad841910a204b54eeaf2c4304eea
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -182,11 +182,12 @@ def maxsim_dense_dmask_fp16_triton_lowmem_bwd_q_kernel(
 
 
 @triton.jit
-def _doc_winners(Argmax, doc, offs_q, offs_s, Nq, Lq, stride_ab, stride_ac, stride_as):
-    """The doc tokens that won query tokens [offs_q, offs_s] on this doc (-1: none)."""
+def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
+    """The doc tokens that won query tokens [offs_q, offs_s] on one doc (-1: none);
+    doc_argmax points at the doc's column of the argmax."""
     rows = offs_q.to(tl.int64)  # the argmax may hold more than 2**31 slots
     return tl.load(
-        Argmax + rows[:, None] * stride_ab + doc * stride_ac + offs_s[None, :] * stride_as,
+        doc_argmax + rows[:, None] * stride_ab + offs_s[None, :] * stride_as,
         mask=(offs_q < Nq)[:, None] & (offs_s < Lq)[None, :],
         other=-1,
     )
@@ -216,18 +217,19 @@ def maxsim_dense_dmask_fp16_triton_lowmem_route_kernel(
     doc = pid // token_blocks
     first = (pid % token_blocks) * BLOCK_L
     offs_s = tl.arange(0, BLOCK_Q)
+    doc_argmax = Argmax + doc * stride_ac
     # Where this tile's list starts: the doc's winners on earlier tiles.
     before = tl.zeros([], dtype=tl.int32)
     for query0 in range(0, Nq, SCAN_QUERIES):
         offs_q = query0 + tl.arange(0, SCAN_QUERIES)
-        index = _doc_winners(Argmax, doc, offs_q, offs_s, Nq, Lq, stride_ab, stride_ac, stride_as)
+        index = _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as)
         earlier = tl.reshape((index >= 0) & (index < first), [SCAN_QUERIES * BLOCK_Q])
         before += tl.sum(earlier.to(tl.int32), axis=0)
     count = tl.zeros([], dtype=tl.int32)
     routed = Route + doc * Nq * Lq
     for query0 in range(0, Nq, SCAN_QUERIES):
         offs_q = query0 + tl.arange(0, SCAN_QUERIES)
-        index = _doc_winners(Argmax, doc, offs_q, offs_s, Nq, Lq, stride_ab, stride_ac, stride_as)
+        index = _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as)
         here = tl.reshape((index >= first) & (index < first + BLOCK_L), [SCAN_QUERIES * BLOCK_Q])
         winner = tl.reshape(offs_q[:, None] * Lq + offs_s[None, :], [SCAN_QUERIES * BLOCK_Q])
         slot = before + count + tl.cumsum(here.to(tl.int32), axis=0) - 1
