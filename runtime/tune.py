@@ -206,7 +206,7 @@ def tune_key(key: KernelKey, runs, names: str, quick: bool) -> tuple[str, dict] 
         times[config] = []
         for i, run in enumerate(runs):
             # A backward is up to three launches: host-timed, colpali 32's candidates all
-            # read 0.11-0.16 ms on an H200, where its tuned backward replays in 0.057.
+            # read 0.11-0.16 ms on an H200, where their replays take 0.038-0.085.
             ms, outputs = time_config(run, config, references[i], quick, graph=key.kernel == "bwd")
             if ms is not None and references[i] is None:
                 references[i] = outputs
