@@ -12,12 +12,11 @@ _D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
 
 
 # "auto" sends an in-batch (dense) backward to lowmem from this many scored pairs on.
-# Measured on an H200 (forward + backward, bf16): in-batch 256 x 256 (65536 pairs) lowmem
-# 1.44 ms vs unified 1.43 with the default launch configs; colpali 32 x 32 (1024 pairs)
-# lowmem 0.36 vs unified 0.43 with them, and lowmem's backward has its own tuned
-# configs since (0.29 -> 0.21 ms at colpali 32; benchmarks/results/train_H200.md).
-# Lowmem's peak memory is a third of unified's, so it takes every case where it is not
-# clearly slower.
+# Measured on an H200 (forward + backward, bf16, each step replayed from a CUDA graph,
+# benchmarks/results/train_H200.md): in-batch 256 x 256 (65536 pairs) lowmem 0.766 ms vs
+# unified 1.405; colpali 32 x 32 (1024 pairs) 0.128 vs 0.215. Fewer pairs were not
+# measured since the routed grad_D; lowmem's peak memory is a third of unified's, so it
+# takes every case where it is not clearly slower.
 AUTO_LOWMEM_MIN_PAIRS = 32 * 32
 
 

@@ -195,8 +195,8 @@ def _smaller(config):
     return None
 
 
-# (launcher, config) that did not fit this process's GPU -> the smaller config that did. Empty on
-# the GPUs the table was tuned for, so the hot path pays only a truth test.
+# (launcher, config) that did not fit this process's GPU -> the smaller config that
+# did. Empty on the GPUs the table was tuned for, so the hot path pays only a truth test.
 _fitted: dict = {}
 
 
@@ -206,9 +206,9 @@ def _launch(launch, config, *args, **kwargs):
     launched directly next time (per-call derived configs included). What fits is per
     launcher: a backward that had to shrink must not shrink the forward of the same config
     (a different tile would change its rounding, and lowmem training is bitwise repeatable)."""
-    requested = (launch, config)
+    requested = config
     if _fitted:
-        config = _fitted.get(requested, config)
+        config = _fitted.get((launch, requested), requested)
     while True:
         try:
             result = launch(*args, config=config, **kwargs)
@@ -219,8 +219,8 @@ def _launch(launch, config, *args, **kwargs):
             if config is None:
                 raise
             continue
-        if config is not requested[1]:
-            _fitted[requested] = config
+        if config is not requested:
+            _fitted[(launch, requested)] = config
         return result, config
 
 

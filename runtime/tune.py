@@ -3,7 +3,8 @@
 For each benchmark shape (benchmarks' PERF shapes, bf16, the variant a plain
 `maxsim(Q, D)` call uses; and the training steps' forward and backward kernels, keyed
 apart), every candidate config is checked against the first one's output and timed
-with triton.testing.do_bench (median). Shapes that share a KernelKey
+with triton.testing.do_bench (median; backward kernels as CUDA-graph replays, so their
+host work does not hide the differences). Shapes that share a KernelKey
 (colbert-rerank and text-long differ only in Ld, which no key holds) are tuned
 together: the config whose times are the smallest multiple of each shape's own best
 (geometric mean) wins. It is written to runtime/tuning/<family>.toml under the key; the

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e712021120ce8d966d5437a59c87dd12ea63581110e6e53e460bc6b9f665048a
+# body-sha256: f197b075811c73fbcad8856c70e19ccdfd7badcdc5f96820afe3c3bbd892b158
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -113,7 +113,7 @@ def maxsim_dense_nomask_fp32_triton_norm_lowmem_fwd_kernel(
     # Whole tiles need no length mask; a partial last tile is scored once, after them
     # (H200, in-batch 256 with argmax: 0.468 -> 0.445 ms). Not for kd: one query per
     # program, a few tiles each, and the tail's unpipelined load cost more (0.045 -> 0.053).
-    whole_stop = d_len if EVEN_LD else d_len // BLOCK_L * BLOCK_L
+    whole_stop = d_len // BLOCK_L * BLOCK_L
     for start in range(0, whole_stop, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)

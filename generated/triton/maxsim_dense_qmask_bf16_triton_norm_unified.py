@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 878217b0c3715cc6763c36d6eb8f9418e28cae47caa1dbd9b43fb6fe430abcfb
+# body-sha256: 2904bce4308949c2f0842dcfab8823236776f84e4cb4b0bb74059e63f451e132
 
 """MaxSim training (unified backward) for maxsim_dense_qmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -118,7 +118,7 @@ def maxsim_dense_qmask_bf16_triton_norm_unified_fwd_kernel(
     # Whole tiles need no length mask; a partial last tile is scored once, after them
     # (H200, in-batch 256 with argmax: 0.468 -> 0.445 ms). Not for kd: one query per
     # program, a few tiles each, and the tail's unpipelined load cost more (0.045 -> 0.053).
-    whole_stop = d_len if EVEN_LD else d_len // BLOCK_L * BLOCK_L
+    whole_stop = d_len // BLOCK_L * BLOCK_L
     for start in range(0, whole_stop, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
