@@ -151,6 +151,9 @@ class RenderContext:
     # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
     # Ld, chosen per call) and then masks no doc token.
     even_tiles: bool = False
+    # The forward may score a doc's partial last tile after its whole ones (streamed dense
+    # inference, and the dense training forward): it takes TAIL_L, that tile's width.
+    peels_tail: bool = False
     # The lowmem grad_D multiplies only the query tokens a route pass listed per (doc,
     # tile) (dense: every query scores every doc); fp16 scales g per step of rows.
     routed_grad_d: bool = False
@@ -424,6 +427,24 @@ def streams_docs(variant: Variant) -> bool:
     )
 
 
+def has_even_tiles(variant: Variant) -> bool:
+    """Whether every doc holds Ld tokens and none is masked (the forward takes EVEN_LD)."""
+    return variant.layout in _EVEN_TILE_LAYOUTS and not variant.mask.has_d
+
+
+def peels_tail(variant: Variant) -> bool:
+    """Whether the forward may score a doc's partial last tile after its whole ones, in a
+    tile of TAIL_L tokens: streamed dense inference (where dispatch chooses per call),
+    and the dense training forward with the argmax saved, whose docs all hold Ld tokens."""
+    trains_dense = (
+        variant.layout is Layout.DENSE
+        and has_even_tiles(variant)
+        and variant.backward is not Backward.NONE
+        and variant.score is Score.MAX
+    )
+    return streams_docs(variant) or trains_dense
+
+
 def _formulas(variant: Variant) -> tuple[Formula, ...]:
     shape = _LAYOUT[variant.layout]
     queries, docs = shape["queries"], shape["docs"]
@@ -636,7 +657,8 @@ def plan(variant: Variant):
         score=score,
         scaled=plan_fp8.is_scaled(variant),
         doc_stream=streams_docs(variant),
-        even_tiles=variant.layout in _EVEN_TILE_LAYOUTS and not variant.mask.has_d,
+        even_tiles=has_even_tiles(variant),
+        peels_tail=peels_tail(variant),
         routed_grad_d=routed,
         routed_g_scale=routed and variant.dtype is DType.FP16,
         bwd_route_args=args["bwd_route"] if routed else (),

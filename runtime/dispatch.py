@@ -119,11 +119,29 @@ def doc_splits(config, nq: int, nd: int, ld: int) -> int:
     return min(wanted, _power_of_two_at_most(tiles // SPLIT_MIN_TILES))
 
 
-# A doc of at least PEEL_MIN_TILES whole tiles and a partial one scores its whole tiles
-# without a length mask and the partial one after the loop. On an H200, inbatch-256
-# (Ld 300 in 64-token tiles) went from 0.354 to 0.335 ms; colbert-rerank (two whole
-# 128-token tiles) lost 1-2 us to the unpipelined last load.
+# A doc of whole tiles and a partial last one can score the whole ones without a length
+# mask and the partial one once, after the loop, in a tile just wide enough for it (the
+# launcher's tail_tile: Ld 200 in 64-token tiles leaves 8 tokens, scored in a 16-token
+# tile). That pays where the tensor cores bound the call: stacked query tiles of at least
+# PEEL_MIN_ROWS rows, and docs of PEEL_MIN_TILES whole tiles, or of NARROW_PEEL_MIN_TILES
+# when the last tile narrows. On an H200 (benchmarks/results/forward_tail_tile_H200.log,
+# each line one shape: unpeeled, then peeled in a full and in a narrow last tile),
+# 256 x 256 queries and docs: Ld 130 0.253 -> 0.211 ms, Ld 200 0.296 -> 0.256, Ld 300
+# 0.354 -> 0.343; a thin single-query rerank loses to the last load, which is not
+# pipelined (1000 docs of 520 tokens: 0.0489 -> 0.0496 ms, 0.0520 in a full tile).
+PEEL_MIN_ROWS = 128
 PEEL_MIN_TILES = 4
+NARROW_PEEL_MIN_TILES = 2
+
+
+def peels_tail(config, ld: int) -> bool:
+    """Whether a one-doc-per-program forward over docs of ld tokens peels their partial
+    last tile (see PEEL_MIN_ROWS)."""
+    whole, left = divmod(ld, config.block_l)
+    if left == 0 or config.query_group * config.block_q < PEEL_MIN_ROWS:
+        return False
+    narrows = max(16, left) <= config.block_l // 2  # tail_tile(ld, block_l) < block_l
+    return whole >= (NARROW_PEEL_MIN_TILES if narrows else PEEL_MIN_TILES)
 
 
 def streamed(config, nq: int, nd: int, ld: int):
@@ -133,10 +151,9 @@ def streamed(config, nq: int, nd: int, ld: int):
     blocks = streamed_blocks(config, nq, nd, ld)
     if blocks > 1:
         return dataclasses.replace(config, docs_per_program=blocks)
-    peel = ld % config.block_l != 0 and ld // config.block_l >= PEEL_MIN_TILES
-    return dataclasses.replace(
-        config, docs_per_program=1, doc_splits=doc_splits(config, nq, nd, ld), peel_tail=peel
-    )
+    return dataclasses.replace(config, docs_per_program=1,
+                               doc_splits=doc_splits(config, nq, nd, ld),
+                               peel_tail=peels_tail(config, ld))  # fmt: skip
 
 
 def _keyed_config(

@@ -82,9 +82,10 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
     # Few long docs split into token ranges whose row maxima a second kernel reduces:
     # Ld 77 is three tiles, so 4 ranges leave one empty; doc 0 is fully masked (scores 0)
     # and one doc token is NaN (its doc scores NaN whichever range holds it). With peel,
-    # whole tiles skip the length mask and the partial last tile is scored after them.
+    # whole tiles skip the length mask and the partial last tile is scored after them
+    # (13 tokens past two 32-token tiles: in a 16-token tile).
     monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld: splits)
-    monkeypatch.setattr(dispatch, "PEEL_MIN_TILES", 1 if peel else 10**6)
+    monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
     variant = Variant.parse(name)
     generator = torch.Generator().manual_seed(9)
     Q, D, q_mask, d_mask, shape, _ = _case(variant, 5, 3, 7, 77, 48, generator)

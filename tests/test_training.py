@@ -90,6 +90,23 @@ def test_unified_and_lowmem_agree(layout):
     assert relative_error(lq, uq) < 1e-5 and relative_error(ld, ud) < 1e-5
 
 
+@pytest.mark.parametrize("backward", ["unified", "lowmem"])
+@pytest.mark.parametrize("Ld", [73, 87])  # two 32-token tiles, then 9 or 23 tokens
+def test_whole_tiles_and_a_narrow_last_tile(backward, Ld):
+    # The dense training forward peels the partial last tile: 9 tokens in a 16-token
+    # tile, 23 in a 32-token one. Doc token 70 repeats token 5, so the winners tie across
+    # the whole and the partial tile: the earliest must win there too (its gradient).
+    Q, D, q_mask, d_mask, weights = _inputs("dense", torch.float32, 3, 4, 5, Ld, 16, 6, True,
+                                            False)  # fmt: skip
+    D[:, 70] = D[:, 5]
+    Q[:, :, :] = D[0, 5]  # every query token's best token of doc 0: tokens 5 and 70, tied
+    out, gq, gd = _run("dense", Q, D, q_mask, d_mask, weights, False, backward)
+    ref, rq, rd = _reference("dense", Q, D, q_mask, d_mask, weights, False)
+    assert relative_error(out, ref) < 1e-5
+    assert relative_error(gq, rq) < _gradient_tolerance(torch.float32)
+    assert torch.all(gd[0, 70] == 0) and torch.any(gd[0, 5] != 0), "tie: the earliest wins"
+
+
 def test_lowmem_is_bitwise_deterministic():
     inputs = _inputs("dense", torch.bfloat16, 4, 6, 9, 33, 48, 3, False, True)
     first = _run("dense", *inputs, True, "lowmem")

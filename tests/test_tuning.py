@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lik.runtime import dispatch, tune
+from lik.runtime import dispatch, registry, tune
 from lik.runtime.tuning import LaunchConfig, load_table
 
 
@@ -101,11 +101,34 @@ def test_only_few_long_docs_split_into_token_ranges():
 
 
 def test_long_docs_with_a_partial_tile_peel_it():
-    config = LaunchConfig(32, 64, 128, 8, 3)
-    assert dispatch.streamed(config, nq=256, nd=256, ld=300).peel_tail  # 4 whole + 44
-    assert not dispatch.streamed(config, nq=256, nd=256, ld=256).peel_tail  # no partial tile
-    assert not dispatch.streamed(config, nq=256, nd=256, ld=200).peel_tail  # 3 whole tiles
-    assert not dispatch.streamed(config, nq=16, nd=10**5, ld=100).peel_tail  # streamed blocks
+    stacked = LaunchConfig(32, 64, 128, 8, 3, query_group=8)  # 256-row query tiles
+    assert dispatch.streamed(stacked, nq=256, nd=256, ld=300).peel_tail  # 4 whole + 44
+    assert not dispatch.streamed(stacked, nq=256, nd=256, ld=256).peel_tail  # no partial tile
+    assert dispatch.streamed(stacked, nq=256, nd=256, ld=200).peel_tail  # 3 whole + 8: narrows
+    assert dispatch.streamed(stacked, nq=256, nd=256, ld=130).peel_tail  # 2 whole + 2: narrows
+    assert not dispatch.streamed(stacked, nq=256, nd=256, ld=180).peel_tail  # 2 whole + 52
+    assert not dispatch.streamed(stacked, nq=256, nd=256, ld=70).peel_tail  # 1 whole + 6
+    assert not dispatch.streamed(stacked, nq=16, nd=10**5, ld=100).peel_tail  # streamed blocks
+    thin = LaunchConfig(32, 128, 128, 4, 4)  # one 32-token query: bound by its loads
+    assert not dispatch.streamed(thin, nq=1, nd=1000, ld=520).peel_tail
+    assert not dispatch.streamed(thin, nq=1, nd=1000, ld=264).peel_tail
+
+
+@pytest.mark.parametrize("ld", [300, 256, 200, 130, 77, 16, 15, 1])
+@pytest.mark.parametrize("block_l", [16, 32, 64, 128])
+def test_the_tail_tile_covers_what_is_left_of_a_doc(ld, block_l):
+    # The launcher's tail tile: a power of two from 16 to BLOCK_L holding the tokens past
+    # the last whole tile, no wider than it must be.
+    module = registry.load("maxsim_dense_nomask_bf16_triton")
+    width, left = module.tail_tile(ld, block_l), ld % block_l
+    assert width in (16, 32, 64, 128) and width <= block_l
+    if left == 0:
+        assert width == block_l
+    else:
+        assert width >= left and (width == 16 or width < 2 * left)
+    # Dispatch's test for a narrower tail (docs of two whole tiles peel only then) agrees.
+    stacked = LaunchConfig(32, block_l, 128, 8, 3, query_group=8)
+    assert dispatch.peels_tail(stacked, 2 * block_l + left) == (0 < left and width < block_l)
 
 
 def test_only_short_docs_stream_in_blocks():

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 86661ecf14a69e1e53e18b8ce6a00d032b47aada146774cfc8ee6e40630a910c
+# body-sha256: 3b871a9e5e9426dc00d5f554e326061aecdd05e919750b96510a054498350e0a
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -79,6 +79,7 @@ def maxsim_dense_nomask_bf16_triton_norm_unified_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
+    TAIL_L: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -130,24 +131,52 @@ def maxsim_dense_nomask_bf16_triton_norm_unified_fwd_kernel(
         best = _max_keep_nan(best, tile_best)
 
     if not EVEN_LD:
-        if whole_stop < d_len:
-            start = whole_stop
-            offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-            t_valid = offs_t < d_len
-            if not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
-                sim = tl.where(t_valid[None, :], sim, float("-inf"))
-            # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
-            # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
-            # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
-            tile_best = tl.reduce(sim, 1, _max_keep_nan)
-            slot = tl.arange(0, BLOCK_L)
-            tile_index = tl.min(tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1)
-            better = tile_best > best
-            best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
-            best = _max_keep_nan(best, tile_best)
+        if TAIL_L == BLOCK_L:
+            if whole_stop < d_len:
+                start = whole_stop
+                offs_t = start + tl.arange(0, BLOCK_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                if (
+                    not EVEN_LD
+                ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+                # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+                # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
+                tile_best = tl.reduce(sim, 1, _max_keep_nan)
+                slot = tl.arange(0, BLOCK_L)
+                tile_index = tl.min(
+                    tl.where(sim == tile_best[:, None], slot[None, :], BLOCK_L), axis=1
+                )
+                better = tile_best > best
+                best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
+                best = _max_keep_nan(best, tile_best)
+
+        else:
+            for start in range(whole_stop, d_len, TAIL_L):
+                offs_t = start + tl.arange(0, TAIL_L)
+                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                t_valid = offs_t < d_len
+                if (
+                    not EVEN_LD
+                ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                # The max first (NaN kept), then the earliest token equal to it: cheaper than a fused
+                # (value, index) reduction, which also drops NaN (H200, in-batch 256 with argmax: 0.60
+                # -> 0.54 ms). Strict > keeps the earliest doc token on ties across tiles too.
+                tile_best = tl.reduce(sim, 1, _max_keep_nan)
+                slot = tl.arange(0, TAIL_L)
+                tile_index = tl.min(
+                    tl.where(sim == tile_best[:, None], slot[None, :], TAIL_L), axis=1
+                )
+                better = tile_best > best
+                best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
+                best = _max_keep_nan(best, tile_best)
 
     best = best * q_scale
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
@@ -284,6 +313,13 @@ def _dot_config(config):
     return tl.bfloat16, "ieee"
 
 
+def tail_tile(Ld, BLOCK_L):
+    """Width of the tile that scores a doc's partial last BLOCK_L tile: what is left of
+    Ld, rounded up to a power of two of at least 16 (tl.dot's smallest operand)."""
+    left = Ld % BLOCK_L
+    return BLOCK_L if left == 0 else min(BLOCK_L, max(16, 1 << (left - 1).bit_length()))
+
+
 def forward_grid(Nq, Nd, QUERY_GROUP):
     """Programs of the forward: one per (group of queries, document)."""
     return (Nd * cdiv(Nq, QUERY_GROUP),)
@@ -347,6 +383,7 @@ def launch(out, Q, D, *, argmax, config):
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
         EVEN_LD=Ld % config.block_l == 0,
+        TAIL_L=tail_tile(Ld, config.block_l),
     )
 
     return out

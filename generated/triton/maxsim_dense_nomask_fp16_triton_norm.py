@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9289a42a7d8cb196929051482c85cdb55179f5be81aa7a0ea7b16bf5f18adfc2
+# body-sha256: b36dfa2d4020acfe02b6318c577fae969610a5bf314892872d9cfb4fbaba5a97
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -68,6 +68,7 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
+    TAIL_L: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -123,19 +124,38 @@ def maxsim_dense_nomask_fp16_triton_norm_fwd_kernel(
                 # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
                 best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
-            if whole_stop < stop:
-                start = whole_stop
-                offs_t = start + tl.arange(0, BLOCK_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
-                sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-                sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-                t_valid = offs_t < d_len
-                if (
-                    not EVEN_LD
-                ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
-                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
-                # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+            if TAIL_L == BLOCK_L:
+                if whole_stop < stop:
+                    start = whole_stop
+                    offs_t = start + tl.arange(0, BLOCK_L)
+                    tile = _load_doc_tile(
+                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                    )
+                    sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                    t_valid = offs_t < d_len
+                    if (
+                        not EVEN_LD
+                    ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                    # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                    best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+
+            else:
+                for start in range(whole_stop, stop, TAIL_L):
+                    offs_t = start + tl.arange(0, TAIL_L)
+                    tile = _load_doc_tile(
+                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                    )
+                    sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                    t_valid = offs_t < d_len
+                    if (
+                        not EVEN_LD
+                    ):  # BLOCK_L divides Ld: every tile is all valid tokens, nothing to mask
+                        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                    # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
+                    best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
         else:
             for start in range(first, stop, BLOCK_L):
@@ -250,6 +270,13 @@ def _dot_config(config):
     return tl.float16, "ieee"
 
 
+def tail_tile(Ld, BLOCK_L):
+    """Width of the tile that scores a doc's partial last BLOCK_L tile: what is left of
+    Ld, rounded up to a power of two of at least 16 (tl.dot's smallest operand)."""
+    left = Ld % BLOCK_L
+    return BLOCK_L if left == 0 else min(BLOCK_L, max(16, 1 << (left - 1).bit_length()))
+
+
 def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
     """Programs of the forward: one per (group of queries, block of documents or token range of one)."""
     return (DOC_SPLITS * cdiv(Nd, DOCS_PER_PROGRAM) * cdiv(Nq, QUERY_GROUP),)
@@ -315,6 +342,7 @@ def launch(out, Q, D, *, config):
         DOC_SPLITS=splits,
         PEEL_TAIL=config.peel_tail,
         EVEN_LD=Ld % config.block_l == 0,
+        TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )
 
     if splits > 1:
