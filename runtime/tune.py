@@ -59,6 +59,12 @@ TRAIN_STRATEGY = "lowmem"
 BLOCK_L = (32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
+# A query tile of at most THIN_ROWS rows (one short query) is too thin for a warpgroup's
+# tensor-core instruction, and its reranks are bound by their loads: fewer warps per
+# program are candidates too (H200, colbert-rerank: 2 warps 0.0306 ms, 4 warps 0.0316;
+# benchmarks/results/forward_thin_warps_H200.log).
+THIN_ROWS = 32
+THIN_WARPS = (1, 2)
 # The dense grad_D multiplies a one-hot [BLOCK_L, rows] tile per step, so its work
 # grows with BLOCK_L: smaller tiles are worth trying there.
 BACKWARD_BLOCK_L = (16, 32, 64, 128)
@@ -94,8 +100,10 @@ def candidates(key: KernelKey):
         return
     # One query alone is always a candidate; stacking stops at twice a full tile.
     groups = [1] + [g for g in (2, 4, 8) if g <= key.queries and g * key.lq <= 2 * STACKED_ROWS]
-    for block_l, warps, stages, group in itertools.product(BLOCK_L, NUM_WARPS, NUM_STAGES, groups):
-        yield LaunchConfig(key.lq, block_l, key.head_dim, warps, stages, query_group=group)
+    for group in groups:
+        warps = NUM_WARPS if group * key.lq > THIN_ROWS else THIN_WARPS + NUM_WARPS
+        for block_l, num_warps, stages in itertools.product(BLOCK_L, warps, NUM_STAGES):
+            yield LaunchConfig(key.lq, block_l, key.head_dim, num_warps, stages, query_group=group)
 
 
 def _generator():

@@ -177,3 +177,19 @@ def test_shapes_sharing_a_key_are_tuned_together():
              "failed": [0.5, None]}  # fmt: skip
     assert tune.best_joint(times) == "balanced"
     assert tune.best_joint({"failed": [None, 1.0]}) is None
+
+
+def test_thin_query_tiles_also_sweep_fewer_warps():
+    # One 32-token query's tile is too thin for a warpgroup: 1 and 2 warps are candidates
+    # there, and only there (stacked tiles, long queries and backward kernels keep 4, 8).
+    def warps(key, *groups):
+        return {c.num_warps for c in tune.candidates(key) if not groups or c.query_group in groups}
+
+    def key(shape):
+        return tune.key_for(shape, "hopper")
+
+    assert warps(key(("colbert-rerank", 1, 1000, 32, 300, 128))) == {1, 2, 4, 8}
+    inbatch = key(("inbatch-256", 256, 256, 32, 300, 128))
+    assert warps(inbatch, 1) == {1, 2, 4, 8} and warps(inbatch, 2, 4, 8) == {4, 8}
+    assert warps(key(("colpali-rerank", 1, 1000, 128, 1024, 128))) == {4, 8}
+    assert warps(tune.train_keys(tune.TRAIN_SHAPES[0], "hopper")[1]) == {4, 8}
