@@ -55,6 +55,10 @@ def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_pa
         "assert not thread.is_alive()\n"
         "from triton.runtime.cache import triton_key\n"
         "assert triton_key.cache_info().currsize == 1, 'the warm-up did not key the cache'\n"
+        "from triton.runtime.build import platform_key\n"
+        "assert platform_key.cache_info().currsize == 1, 'no platform key'\n"
+        "import torch\n"
+        "assert torch.cuda.is_initialized() is False, 'the warm-up must not start CUDA'\n"
     )
     proc = _run([sys.executable, "-c", code], cwd=tmp_path, extra_env={"LIK_PREWARM": "1"})
     assert proc.returncode == 0, proc.stderr
