@@ -4,12 +4,13 @@ A fresh process with a warm Triton cache spent ~0.5 s of host time in its first 
 launch (H200 host, Triton 3.6, profiled): 0.37 s in triton.runtime.cache.triton_key,
 which hashes Triton's own sources and its ~400 MB shared library to key the cache, and
 0.1 s importing modules Triton loads on first launch; of a 54 ms first call that came
-after that work (H100 host), 11 ms ran `file` for a platform key. None of it touches the
-GPU, so a daemon thread started when lik is imported does it all; the hashing releases the GIL, so
-the caller's own start-up (loading a model, building inputs) goes on beside it, and its
-first call then finds the work done instead of doing it. A first kernel load that comes
-while the thread still runs waits for it rather than redoing its work beside it, and so
-does a fork (a child must not inherit an import half done by a thread it does not have).
+after that work (H100 host), 11 ms ran `file` for a platform key. None of it touches
+the GPU, so a daemon thread started when lik is imported does it all; the hashing
+releases the GIL, so the caller's own start-up (loading a model, building inputs) goes
+on beside it, and its first call then finds the work done instead of doing it. A first
+kernel load that comes while the thread still runs waits for it rather than redoing its
+work beside it, and so does a fork (a child must not inherit an import half done by a
+thread it does not have).
 
 It runs where a kernel launch can follow: Triton installed and torch built for CUDA or
 ROCm. LIK_PREWARM=0 turns it off; LIK_PREWARM=1 forces it (e.g. on a CPU build).
@@ -57,9 +58,9 @@ def warm() -> None:
 
 def _host_lookups() -> None:
     """Two more of the first launch's host-only lookups, each cached for the process: the
-    platform key of Triton's compiled helpers
-    (Python's platform.architecture runs `file` on the interpreter) and, on CUDA, where
-    libcuda lies (`ldconfig -p`). Neither initializes CUDA: a process may still fork."""
+    platform key of Triton's compiled helpers (Python's platform.architecture runs `file`
+    on the interpreter) and, on CUDA, where libcuda lies (`ldconfig -p`). Neither
+    initializes CUDA: the process may still fork."""
     try:
         from triton.runtime.build import platform_key
 
