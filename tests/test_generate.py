@@ -169,8 +169,8 @@ def test_every_kernel_argument_is_used():
 
     for path in sorted((ROOT / "generated" / "triton").glob("maxsim_*.py")):
         for node in ast.parse(path.read_text()).body:
-            if not isinstance(node, ast.FunctionDef) or "jit" not in ast.unparse(
-                node.decorator_list[0] if node.decorator_list else ast.Constant("")
+            if not isinstance(node, ast.FunctionDef) or not any(
+                "triton.jit" in ast.unparse(d) for d in node.decorator_list
             ):
                 continue
             if node.name in fixed_signature:
@@ -178,6 +178,33 @@ def test_every_kernel_argument_is_used():
             names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             unused = [a.arg for a in node.args.args if a.arg not in names]
             assert not unused, f"{path.name}: {node.name} never reads {unused}"
+
+
+def test_every_launched_kernel_goes_through_the_launch_cache():
+    """Each generated jit function that is launched (`name[grid](...)`) is wrapped by
+    cached_launch, outermost, and no device helper is (helpers are called from kernels)."""
+    import ast
+
+    launched_total = 0
+    for path in sorted((ROOT / "generated" / "triton").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        launched = {
+            node.func.value.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Subscript)
+            and isinstance(node.func.value, ast.Name)
+        }
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            decorators = [ast.unparse(d) for d in node.decorator_list]
+            if not any(d.startswith("triton.jit") for d in decorators):
+                continue
+            wrapped = decorators[0] == "cached_launch"
+            assert wrapped == (node.name in launched), f"{path.name}: {node.name}"
+            launched_total += wrapped
+    assert launched_total >= 1000
 
 
 def test_list_and_explain(capsys):

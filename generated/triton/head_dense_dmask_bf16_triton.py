@@ -2,13 +2,15 @@
 # variant: head_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 56eb63eb2ad76575a4c9d5e966621dbce376f2878219a40d0c3b803cea7acf72
+# body-sha256: 8de20d8ed08065bb5eeef98c56740bc33dbe66233b77b44b1b97b646d80b6789
 
 """Projection head + MaxSim forward for head_dense_dmask_bf16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -35,6 +37,7 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
     return query, offs_s, (query < Nq) & (offs_s < Lq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_kernel(
     Q,
@@ -146,6 +149,7 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
     Q,
@@ -267,6 +271,7 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_bias_kernel(
     Q,
@@ -381,6 +386,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
     Q,
@@ -505,6 +511,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_dmask_bf16_triton_reduce(
     Partial,
@@ -545,6 +552,7 @@ def head_dense_dmask_bf16_triton_reduce(
     tl.store(Out + queries * stride_ob + doc * stride_oc, total, mask=queries < Nq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_dmask_bf16_triton_reduce_argmax(
     Partial,

@@ -2,13 +2,15 @@
 # variant: head_dense_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: b5fecdc8967b534cf7c4d2fc4db7e4f0b9ecd6277e8aa9187a8aa02fc5e40df2
+# body-sha256: 7cf9f031d3b60c340ad5b82776ef3744fd5606d6418ec5784025223e285e1cb0
 
 """Projection head + MaxSim forward for head_dense_dmask_fp16_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -41,6 +43,7 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
     return query, offs_s, (query < Nq) & (offs_s < Lq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_kernel(
     Q,
@@ -153,6 +156,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
     Q,
@@ -275,6 +279,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
     Q,
@@ -390,6 +395,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
     Q,
@@ -515,6 +521,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_dmask_fp16_triton_norm_reduce(
     Partial,
@@ -555,6 +562,7 @@ def head_dense_dmask_fp16_triton_norm_reduce(
     tl.store(Out + queries * stride_ob + doc * stride_oc, total, mask=queries < Nq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_dmask_fp16_triton_norm_reduce_argmax(
     Partial,

@@ -2,13 +2,15 @@
 # variant: head_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 782d6baded1d41f0b63c4c262176d8dbf6174cab8f56b2a4faa3cb1bf378b0d5
+# body-sha256: 1143fc0022228305a1f832c1859c80ca2b3ad5d80b5750fdcbf8bc7d964f784f
 
 """Projection head + MaxSim forward for head_dense_nomask_bf16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -35,6 +37,7 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
     return query, offs_s, (query < Nq) & (offs_s < Lq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_kernel(
     Q,
@@ -139,6 +142,7 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     Q,
@@ -253,6 +257,7 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     Q,
@@ -360,6 +365,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     Q,
@@ -477,6 +483,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_nomask_bf16_triton_reduce(
     Partial,
@@ -517,6 +524,7 @@ def head_dense_nomask_bf16_triton_reduce(
     tl.store(Out + queries * stride_ob + doc * stride_oc, total, mask=queries < Nq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_nomask_bf16_triton_reduce_argmax(
     Partial,

@@ -2,13 +2,15 @@
 # variant: head_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 8d42d66d1328395df1a3e292d572ad2b610598e2fd708c340d93aece341b5b09
+# body-sha256: 00f2e3a03ff3e8ac50342db012ecdd341b9884c878363d813243e91f5e0ce34f
 
 """Projection head + MaxSim forward for head_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -41,6 +43,7 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
     return query, offs_s, (query < Nq) & (offs_s < Lq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp32_triton_norm_fwd_kernel(
     Q,
@@ -146,6 +149,7 @@ def head_dense_nomask_fp32_triton_norm_fwd_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp32_triton_norm_fwd_argmax_kernel(
     Q,
@@ -261,6 +265,7 @@ def head_dense_nomask_fp32_triton_norm_fwd_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp32_triton_norm_fwd_bias_kernel(
     Q,
@@ -369,6 +374,7 @@ def head_dense_nomask_fp32_triton_norm_fwd_bias_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp32_triton_norm_fwd_bias_argmax_kernel(
     Q,
@@ -487,6 +493,7 @@ def head_dense_nomask_fp32_triton_norm_fwd_bias_argmax_kernel(
         tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_nomask_fp32_triton_norm_reduce(
     Partial,
@@ -527,6 +534,7 @@ def head_dense_nomask_fp32_triton_norm_reduce(
     tl.store(Out + queries * stride_ob + doc * stride_oc, total, mask=queries < Nq)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def head_dense_nomask_fp32_triton_norm_reduce_argmax(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_bf16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 93c33cf5a4f3f3255c666b0be6c052d5a70aa2f69b8acd7a0d699664b9bc2702
+# body-sha256: f048236d7d6dc27197c67bce81f10eef596d7299affa657cc340757fcae85db1
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_bf16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -83,6 +85,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_bf16_triton_lowmem_topkmean_fwd_kernel(
     Q,
@@ -179,6 +182,7 @@ def maxsim_dense_dmask_bf16_triton_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_dmask_bf16_triton_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -273,6 +277,7 @@ def maxsim_dense_dmask_bf16_triton_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_bf16_triton_lowmem_topkmean_bwd_d_kernel(
     Q,

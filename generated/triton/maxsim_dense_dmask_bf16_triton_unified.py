@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4bf740337dca096a983f5e70dbdfff76767c7faa9ff0af2bf49ecf6b65ac313e
+# body-sha256: e64adfe7ed91d7d64198df3fa975d14f6193447fbfc5f514496de42731ebae8f
 
 """MaxSim training (unified backward) for maxsim_dense_dmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_bf16_triton_unified_fwd_kernel(
     Q,
@@ -127,6 +130,7 @@ def maxsim_dense_dmask_bf16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq"])
 def maxsim_dense_dmask_bf16_triton_unified_bwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a0f4543ee405e85a08baffd085efc14e29904cc3c0a5664fac7c99d441a89ed6
+# body-sha256: 448496835b77e3578ed34bfad8592dcd9ea8198b7207ee890ef4b3c26a84e98d
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_fwd_kernel(
     Q,
@@ -238,6 +241,7 @@ def maxsim_dense_dmask_fp16_triton_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_dmask_fp16_triton_split_reduce_kernel(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c5917460b4a2da76fa66ddc627902edd2b54ad841910a204b54eeaf2c4304eea
+# body-sha256: 433446228972fcd7c9f9f78eac3ec755c541acd27927e0a1e55b06c37ccf7ed9
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_lowmem_fwd_kernel(
     Q,
@@ -127,6 +130,7 @@ def maxsim_dense_dmask_fp16_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_dmask_fp16_triton_lowmem_bwd_q_kernel(
     D,
@@ -193,6 +197,7 @@ def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_lowmem_route_kernel(
     Argmax,
@@ -239,6 +244,7 @@ def maxsim_dense_dmask_fp16_triton_lowmem_route_kernel(
     tl.store(RouteCount + pid, count)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_lowmem_bwd_d_kernel(
     Q,

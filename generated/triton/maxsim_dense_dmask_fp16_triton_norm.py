@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d553f0170e64e329eced06d34b219308ee20fc7382be749f584834c66bb3ea17
+# body-sha256: 0d922da99d968d339aa4ff4c859b4d4e00fd9c5a8ba960c1a93f310f733fe570
 
 """MaxSim forward for maxsim_dense_dmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -39,6 +41,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_fwd_kernel(
     Q,
@@ -250,6 +253,7 @@ def maxsim_dense_dmask_fp16_triton_norm_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_dmask_fp16_triton_norm_split_reduce_kernel(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 983959a56355b22d9d87c9f3f9f74c3225adb9018671e5c7b9bf83047da3c9c1
+# body-sha256: 6c59528a94056b39ebf4c250ab3001c455a8a53342a1e448b4a5fbe3f3e968da
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -77,6 +79,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth_fwd_kernel(
     Q,
@@ -173,6 +176,7 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -266,6 +270,7 @@ def maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_lowmem_smooth_bwd_d_kernel(
     Q,

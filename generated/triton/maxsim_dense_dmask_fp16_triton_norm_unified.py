@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1d1deb176f8b61cc80acf81aaa3727ddb874a9b37909037aebab273a35c34b49
+# body-sha256: 16a2a43fd6ee1bee73abf1456b8b7b99a5fe43215eeea8f33ff2512486199610
 
 """MaxSim training (unified backward) for maxsim_dense_dmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp16_triton_norm_unified_fwd_kernel(
     Q,
@@ -148,6 +151,7 @@ def maxsim_dense_dmask_fp16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq"])
 def maxsim_dense_dmask_fp16_triton_norm_unified_bwd_kernel(
     Q,
@@ -233,6 +237,7 @@ def maxsim_dense_dmask_fp16_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_dmask_fp16_triton_norm_unified_normalize_bwd_kernel(
     G,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp32_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8f2bd8554d8eadad3267a903e3ad7d91f9ac3f71114d52fef70a0203ca0408c7
+# body-sha256: ad7b9dd9279ab252443f73c71104b9a98e3d3674ebcc939082b8066a5acaea5f
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp32_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_lowmem_smooth_fwd_kernel(
     Q,
@@ -150,6 +153,7 @@ def maxsim_dense_dmask_fp32_triton_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -239,6 +243,7 @@ def maxsim_dense_dmask_fp32_triton_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_lowmem_smooth_bwd_d_kernel(
     Q,

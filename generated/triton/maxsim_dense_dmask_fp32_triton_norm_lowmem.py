@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 398d6f555434258882dfb5f8a583f1f391c774a3e6577d798ff95d6c45730bdc
+# body-sha256: 8300aa312903248813c6b266ff508bd4de8c1eea70d20d30c7e4ce3680b317d1
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -148,6 +151,7 @@ def maxsim_dense_dmask_fp32_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -225,6 +229,7 @@ def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_route_kernel(
     Argmax,
@@ -271,6 +276,7 @@ def maxsim_dense_dmask_fp32_triton_norm_lowmem_route_kernel(
     tl.store(RouteCount + pid, count)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_bwd_d_kernel(
     Q,

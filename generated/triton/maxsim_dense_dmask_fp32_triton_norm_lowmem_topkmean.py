@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 1cebadbce6ef22b1b9bbc7936b4fdfd1a3f87a7ec484672ebc7e45e261927a6a
+# body-sha256: a599321388d15cfb7108fea5053d191bdb9211f7ca8dc5456f26f4a353654626
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -101,6 +103,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean_fwd_kernel(
     Q,
@@ -202,6 +205,7 @@ def maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -300,6 +304,7 @@ def maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_norm_lowmem_topkmean_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_dmask_fp32_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: cb51f447fcef9a08c072985cc10a06bf88e7c784d1e7786f32e8e61dcfcf13ee
+# body-sha256: 2062773bb488880fd9855c58f5bc788cc9cd2b691de1703fc7cca9c8f71e1c61
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -83,6 +85,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_dmask_fp32_triton_topkmean_fwd_kernel(
     Q,

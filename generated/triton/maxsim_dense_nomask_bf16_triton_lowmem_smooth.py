@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_bf16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: aef12545080c0618484f5495e6067e66d09fa91046ad404d016fd2c9704b36ea
+# body-sha256: 7443d3c0938a080cd1e71f392cf1dc534d98b3a711fce4de42ca3e967da2af2b
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_lowmem_smooth_fwd_kernel(
     Q,
@@ -146,6 +149,7 @@ def maxsim_dense_nomask_bf16_triton_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -229,6 +233,7 @@ def maxsim_dense_nomask_bf16_triton_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_lowmem_smooth_bwd_d_kernel(
     Q,

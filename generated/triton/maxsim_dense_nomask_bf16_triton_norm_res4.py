@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c149addc143168c4cfedec890d55bd40df4ab45ecd8113bab6282d6a98bf2fed
+# body-sha256: 81617e451203f8400db944ea9e85129c6be45a3ff9b1bc014829de6c7974e3dd
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "n_centroids"])
 def maxsim_dense_nomask_bf16_triton_norm_res4_fwd_kernel(
     Q,
@@ -379,6 +382,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res4_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_nomask_bf16_triton_norm_res4_split_reduce_kernel(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 759e2de15746b87d193d8fe7f34079ef194497e5ca62679651aa75efc73cb64c
+# body-sha256: 426ef63efeebdabbb5c8fff9ac4b861b8e698a5d43caec98a1919c39f0ee335d
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_smooth_fwd_kernel(
     Q,

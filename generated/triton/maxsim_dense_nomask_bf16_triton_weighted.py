@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_bf16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 689bfbea52893a9f88f4c8d5ad4a9a903b0e567ab8353f49f47ca897a4cdb220
+# body-sha256: 5ad025747d8f6600c4f51cc6888817eba34307817929f9f88c354d98747e88a4
 
 """MaxSim forward for maxsim_dense_nomask_bf16_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -58,6 +60,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_bf16_triton_weighted_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 44278002606ed9111eb7ca4c0627b52fe1ff082e0bea5e5e6802e9a7e0eae606
+# body-sha256: 3dbdd2a50d058f66057929f82038a3ace1d9bb647587de932849608fe1d80933
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -58,6 +60,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp16_triton_lowmem_weighted_fwd_kernel(
     Q,
@@ -149,6 +152,7 @@ def maxsim_dense_nomask_fp16_triton_lowmem_weighted_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_nomask_fp16_triton_lowmem_weighted_bwd_q_kernel(
     Q,
@@ -249,6 +253,7 @@ def maxsim_dense_nomask_fp16_triton_lowmem_weighted_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp16_triton_lowmem_weighted_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7cd2618d17470bc253edd618b4c5f59e346f93f9a7d22d56f25658b4fc269562
+# body-sha256: 8ca7c95fcf03a81ca057a9a0d128287c0c55344764f70a695706bc0bd2fe005f
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "n_centroids"])
 def maxsim_dense_nomask_fp16_triton_norm_res2_fwd_kernel(
     Q,
@@ -379,6 +382,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res2_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_nomask_fp16_triton_norm_res2_split_reduce_kernel(
     Partial,

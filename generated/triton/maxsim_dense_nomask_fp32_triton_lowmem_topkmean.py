@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp32_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d27640d8d1574ea346946fb2ce8779203ce057a8e8c87fcf57b88c084039fd01
+# body-sha256: e6b57ab3917c48c009884663e75068a5f20c8d8b676407e46a12210e3b94a436
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp32_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -83,6 +85,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_fwd_kernel(
     Q,
@@ -175,6 +178,7 @@ def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -263,6 +267,7 @@ def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_lowmem_topkmean_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 57e4dec4e74210f9b66207bf30971c205a2d984e5527cad0eb848da273b0c205
+# body-sha256: a4ce767aeeb9a58ce9e5042d5cac431161fdbfde5f6a6adafdb056c87bb9f805
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -39,6 +41,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_norm_fwd_kernel(
     Q,
@@ -229,6 +232,7 @@ def maxsim_dense_nomask_fp32_triton_norm_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_nomask_fp32_triton_norm_split_reduce_kernel(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b9347f9ab9990bd85dafdc8365001ab20f32d495a31c640250ae692541bca0e7
+# body-sha256: 4c6197946536881740a6d0d5ad29aab36a9d1ee1e6f09b044e6abc2112f4e8d5
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "n_centroids"])
 def maxsim_dense_nomask_fp32_triton_norm_res8_fwd_kernel(
     Q,
@@ -379,6 +382,7 @@ def maxsim_dense_nomask_fp32_triton_norm_res8_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_nomask_fp32_triton_norm_res8_split_reduce_kernel(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 11ae1e9fd136c6ad2d7769791f215b45556e36b5228846ed777f82c5fc2bfeaa
+# body-sha256: b22baafd62a8cea88ee3852f47b205b83da8f5602ba15edcf90e7f81624763eb
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -65,6 +67,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_norm_smooth_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7868786daa8ca26216b907e41c1a67fabfda414fb7e65210642579a519f37da0
+# body-sha256: f60e743505c57aeb1127b8bb48f1a4e3dc32e38159ec8166d2612c49a11d6d6e
 
 """MaxSim training (unified backward) for maxsim_dense_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_nomask_fp32_triton_unified_fwd_kernel(
     Q,
@@ -171,6 +174,7 @@ def maxsim_dense_nomask_fp32_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq"])
 def maxsim_dense_nomask_fp32_triton_unified_bwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qdmask_bf16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: c9e7c158e4f52c6dcc4108367b7ae97bf29d8eb6f9eddf7b68837a0b07b88ad3
+# body-sha256: f4093923bccc84ad08d70b9418fc5bee525f6f0e2c803cdff44fe5529d6a895e
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_bf16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -83,6 +85,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_bf16_triton_lowmem_topkmean_fwd_kernel(
     Q,
@@ -184,6 +187,7 @@ def maxsim_dense_qdmask_bf16_triton_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_qdmask_bf16_triton_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -283,6 +287,7 @@ def maxsim_dense_qdmask_bf16_triton_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_bf16_triton_lowmem_topkmean_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 972a7e6d81a516d3b1bacfc99cf53fac07b32d033e1b0710d959bab67b45a0e6
+# body-sha256: 999b5a6344b1ae28cc8fc666d67c2c84328678adc93231b9da6df744101987dc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -76,6 +78,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted_fwd_kernel(
     Q,
@@ -181,6 +184,7 @@ def maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted_bwd_q_kernel(
     Q,
@@ -296,6 +300,7 @@ def maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_bf16_triton_norm_lowmem_weighted_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qdmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8aab199fc4f5703ee0ddfea9a0850a978c2596d0bb02be22ecc51f8d8e6068e5
+# body-sha256: 2d9dddaee7b8838ab81f9da35294a2a78f1b5e73e663c839b3dd98004de6d3f7
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_lowmem_fwd_kernel(
     Q,
@@ -132,6 +135,7 @@ def maxsim_dense_qdmask_fp16_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_qdmask_fp16_triton_lowmem_bwd_q_kernel(
     D,
@@ -198,6 +202,7 @@ def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_lowmem_route_kernel(
     Argmax,
@@ -244,6 +249,7 @@ def maxsim_dense_qdmask_fp16_triton_lowmem_route_kernel(
     tl.store(RouteCount + pid, count)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: a3c72f2b8c3e41d6ca29f2ad6d0ddf1ec77c6e2724f926e0a9692309fd9c2152
+# body-sha256: 203e24c10ec37ba0f6c268857d2d4f5afd5a76c0e7190341defc43e72578cac1
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -77,6 +79,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth_fwd_kernel(
     Q,
@@ -178,6 +181,7 @@ def maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -276,6 +280,7 @@ def maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_norm_lowmem_smooth_bwd_d_kernel(
     Q,

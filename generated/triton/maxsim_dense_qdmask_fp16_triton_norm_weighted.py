@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e3b26faf539a4231b78cb63c5de13b26f558eb9657935ee848ce10cdd2a2880f
+# body-sha256: a96e28dd76f6fb7e651ba9656cee04c3195116a9d0df971da4e5cfbe4d8347f7
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -64,6 +66,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp16_triton_norm_weighted_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qdmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9576c66f9e9de778badd46a5f5a581cdd7a0d22ec57f3b3a20e60eb218e8bbf1
+# body-sha256: 4b49a6921f8164a6a7efe5a1978677143c7ed0ca0019dfaa42708e22846e6477
 
 """MaxSim forward for maxsim_dense_qdmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def maxsim_dense_qdmask_fp32_triton_fwd_kernel(
     Q,
@@ -243,6 +246,7 @@ def maxsim_dense_qdmask_fp32_triton_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_qdmask_fp32_triton_split_reduce_kernel(
     Partial,

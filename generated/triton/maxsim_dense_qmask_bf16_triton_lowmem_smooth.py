@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_bf16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 83f664de1efe9ad18a6654965d7f76fc9df851c71d7b7f103c35fdc25fa09417
+# body-sha256: b5420b213f713fb25f19e008c7e97acad1c1f2d82c857629ecbdf4a0bf690fc7
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_lowmem_smooth_fwd_kernel(
     Q,
@@ -151,6 +154,7 @@ def maxsim_dense_qmask_bf16_triton_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -239,6 +243,7 @@ def maxsim_dense_qmask_bf16_triton_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_lowmem_smooth_bwd_d_kernel(
     Q,

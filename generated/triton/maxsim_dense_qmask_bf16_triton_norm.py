@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 466a99a8acb666a16b76650ceaa3a7877dd637f625cd9f174e30f798b9159e23
+# body-sha256: 0b2e653467dd3787aaa5ed85946e14abf0ce1021eb4c7e8eba0ac9f60710981a
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -39,6 +41,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
     Q,
@@ -234,6 +237,7 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_qmask_bf16_triton_norm_split_reduce_kernel(
     Partial,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c47f7c1c97184fd2faac5a14c5f71bf99ecf699568c9bfe135792ec35931d663
+# body-sha256: 46ff3fdb07ff6ef1109f51b096e2200d3e8b4ee53e6751631cf59d4abf45ac63
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -199,6 +202,7 @@ def maxsim_dense_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_qmask_bf16_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -276,6 +280,7 @@ def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_norm_lowmem_route_kernel(
     Argmax,
@@ -322,6 +327,7 @@ def maxsim_dense_qmask_bf16_triton_norm_lowmem_route_kernel(
     tl.store(RouteCount + pid, count)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_norm_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e2f6dde636a67d477ee9d44a54c8e2bf361d02f7667ab781ec798f7716d42e53
+# body-sha256: fa3d8cac1b043d5b53689c86a1b559a65069d8de7e4782c165fd0abf4364a749
 
 """MaxSim training (unified backward) for maxsim_dense_qmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_norm_unified_fwd_kernel(
     Q,
@@ -199,6 +202,7 @@ def maxsim_dense_qmask_bf16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq"])
 def maxsim_dense_qmask_bf16_triton_norm_unified_bwd_kernel(
     Q,
@@ -284,6 +288,7 @@ def maxsim_dense_qmask_bf16_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_dense_qmask_bf16_triton_norm_unified_normalize_bwd_kernel(
     G,

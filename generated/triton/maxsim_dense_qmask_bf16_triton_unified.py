@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 90a4c3ef6983e2ee8eec11b29e9e45047097e1904d44cb5dfa4427b0f554bd8d
+# body-sha256: b68f85805a21ddf73a28c400e383f3ff9ca93a1d79854420054bf7b87522d5f7
 
 """MaxSim training (unified backward) for maxsim_dense_qmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_bf16_triton_unified_fwd_kernel(
     Q,
@@ -176,6 +179,7 @@ def maxsim_dense_qmask_bf16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq"])
 def maxsim_dense_qmask_bf16_triton_unified_bwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 53933e80ebff2f669c29ef9d7a10729a1b9cc581824ab458c4ad235e077bc5cf
+# body-sha256: 571947fa56a13b5576a3494020cd7d2b1519a581bc21f8e2f43bff8975111fdb
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -83,6 +85,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp16_triton_lowmem_topkmean_fwd_kernel(
     Q,
@@ -180,6 +183,7 @@ def maxsim_dense_qmask_fp16_triton_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_qmask_fp16_triton_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -273,6 +277,7 @@ def maxsim_dense_qmask_fp16_triton_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp16_triton_lowmem_topkmean_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: da6ed1ab67d2e759e1fe6e8ca65d0676b544a2dd7f6086b5c0ff8539de4369cd
+# body-sha256: c82ada4ea3b1558b2b37f89c73189d037460fb4571f9a8f92e366514d43d8745
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "dense"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp16_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -199,6 +202,7 @@ def maxsim_dense_qmask_fp16_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq"])
 def maxsim_dense_qmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -276,6 +280,7 @@ def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp16_triton_norm_lowmem_route_kernel(
     Argmax,
@@ -322,6 +327,7 @@ def maxsim_dense_qmask_fp16_triton_norm_lowmem_route_kernel(
     tl.store(RouteCount + pid, count)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp16_triton_norm_lowmem_bwd_d_kernel(
     Q,

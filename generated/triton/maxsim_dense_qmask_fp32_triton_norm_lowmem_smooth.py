@@ -2,13 +2,15 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: fa270e85c194b007c89384b94dc244d1fcfef1d0c7016df90280fa35fe939690
+# body-sha256: 59f901f51151bd75fc90a3e7573ed939e5703ef40806521df389abfda9274934
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -77,6 +79,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_fwd_kernel(
     Q,
@@ -174,6 +177,7 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nd", "Lq", "Ld"])
 def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -266,6 +270,7 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Lq", "Ld"])
 def maxsim_dense_qmask_fp32_triton_norm_lowmem_smooth_bwd_d_kernel(
     Q,

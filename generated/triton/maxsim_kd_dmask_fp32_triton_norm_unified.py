@@ -2,13 +2,15 @@
 # variant: maxsim_kd_dmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6461bdcb512b296f1e87de7651fe36e7979e1b1eee3144819007b4fdda7a8025
+# body-sha256: 4e5bacdbdec067b2d3c42316e704264d0d1b8dcfb50f562e5c3b0e95424d3b07
 
 """MaxSim training (unified backward) for maxsim_kd_dmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "kd"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_dmask_fp32_triton_norm_unified_fwd_kernel(
     Q,
@@ -142,6 +145,7 @@ def maxsim_kd_dmask_fp32_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_dmask_fp32_triton_norm_unified_bwd_kernel(
     Q,
@@ -229,6 +233,7 @@ def maxsim_kd_dmask_fp32_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_kd_dmask_fp32_triton_norm_unified_normalize_bwd_kernel(
     G,

@@ -2,13 +2,15 @@
 # variant: maxsim_kd_nomask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: bce04479058a37c0e8c47b77eda67997ddd87d5dec921514b9a43938dc7ce468
+# body-sha256: dc5b1ebf9d63417bf331b7ddffa1d4a63742ab6c95c3dcc53b53c0610405ad3f
 
 """MaxSim training (lowmem backward) for maxsim_kd_nomask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "kd"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_nomask_fp16_triton_lowmem_fwd_kernel(
     Q,
@@ -116,6 +119,7 @@ def maxsim_kd_nomask_fp16_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_nomask_fp16_triton_lowmem_bwd_q_kernel(
     D,
@@ -175,6 +179,7 @@ def maxsim_kd_nomask_fp16_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_nomask_fp16_triton_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_kd_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8f985ff4a4794b6c25160dcb245a4b710828f744afa60fbba7feaa37a40a6fd5
+# body-sha256: bd8122830855fabede8500e506fb3a4b267422eb8acfee6c796d871e8b76a24e
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "kd"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_nomask_fp32_triton_unified_fwd_kernel(
     Q,
@@ -116,6 +119,7 @@ def maxsim_kd_nomask_fp32_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_nomask_fp32_triton_unified_bwd_kernel(
     Q,

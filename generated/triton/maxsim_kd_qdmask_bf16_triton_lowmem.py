@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qdmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 52a1c133be70c5cc551d0ffdc9fe31a7d7a665ea0e6c9b2b780968baa51ee59b
+# body-sha256: 14ab3cd8f9e1ba7fa273386bd660b8a2da71d12543c85ad44d44826096ad5871
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "kd"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_bf16_triton_lowmem_fwd_kernel(
     Q,
@@ -126,6 +129,7 @@ def maxsim_kd_qdmask_bf16_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qdmask_bf16_triton_lowmem_bwd_q_kernel(
     D,
@@ -185,6 +189,7 @@ def maxsim_kd_qdmask_bf16_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_bf16_triton_lowmem_bwd_d_kernel(
     Q,

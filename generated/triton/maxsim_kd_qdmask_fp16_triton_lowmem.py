@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qdmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4de45850ab8c7d79bdf6f2791f9def8cdbbb36d59f96329e285e99bcfc83d97b
+# body-sha256: df92f6ee932dd41737c3a05779ec412da6e5ae024f1cb3c98bd74f7a97b64af3
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "kd"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_fp16_triton_lowmem_fwd_kernel(
     Q,
@@ -126,6 +129,7 @@ def maxsim_kd_qdmask_fp16_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qdmask_fp16_triton_lowmem_bwd_q_kernel(
     D,
@@ -185,6 +189,7 @@ def maxsim_kd_qdmask_fp16_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_fp16_triton_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qdmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a064d0da66ab0b9814acf58364b706b1ce016d868b88c8613c7324d2fbcc5e75
+# body-sha256: 89b1cfd0c54651ec23a2ddbd32648b46f69c4a1127f194515e3a7f11f18400b7
 
 """MaxSim training (lowmem backward) for maxsim_kd_qdmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "kd"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_fp16_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -147,6 +150,7 @@ def maxsim_kd_qdmask_fp16_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qdmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -217,6 +221,7 @@ def maxsim_kd_qdmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_fp16_triton_norm_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qdmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fd08c30df7ce2e5ef6675ea10a047bb0e4a11e27ed8e2be121f8641c55a2683f
+# body-sha256: 8fcf9c2e94575df5c16941b0721a0a52aa8d6b5d19344879abce983264ebfe55
 
 """MaxSim training (unified backward) for maxsim_kd_qdmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "kd"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
     Q,
@@ -126,6 +129,7 @@ def maxsim_kd_qdmask_fp16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qdmask_fp16_triton_unified_bwd_kernel(
     Q,

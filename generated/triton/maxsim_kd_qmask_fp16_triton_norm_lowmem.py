@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: df6b3eff9a5f42de297e93d7c1a8034fbffd9b35fd514158002b948631dcc3ba
+# body-sha256: 656f021f0f472af9e20f735e18d2ad201484389fca034f617b6222b8aac34b41
 
 """MaxSim training (lowmem backward) for maxsim_kd_qmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "kd"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qmask_fp16_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -142,6 +145,7 @@ def maxsim_kd_qmask_fp16_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -212,6 +216,7 @@ def maxsim_kd_qmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qmask_fp16_triton_norm_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8df183559e937d7cb3d7ce6d14d269645ee16475456b78cf792811a56c8e1749
+# body-sha256: 7aa2be3cb1a82895093f292ff4393b22c85513ad5cc6a8e146e1640963107783
 
 """MaxSim training (lowmem backward) for maxsim_kd_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "kd"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qmask_fp32_triton_lowmem_fwd_kernel(
     Q,
@@ -121,6 +124,7 @@ def maxsim_kd_qmask_fp32_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qmask_fp32_triton_lowmem_bwd_q_kernel(
     D,
@@ -180,6 +184,7 @@ def maxsim_kd_qmask_fp32_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qmask_fp32_triton_lowmem_bwd_d_kernel(
     Q,

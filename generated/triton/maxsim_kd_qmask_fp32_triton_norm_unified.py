@@ -2,13 +2,15 @@
 # variant: maxsim_kd_qmask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7f9f4c53c266d38bccf86cabd795421ba220a33e1ac23a77fc8f7cba898f7e6d
+# body-sha256: 302d833c07a37bfcaf4e501b1dabbb8e0af3eba57212a197f5e68f1a998c907b
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "kd"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq", "Ld"])
 def maxsim_kd_qmask_fp32_triton_norm_unified_fwd_kernel(
     Q,
@@ -142,6 +145,7 @@ def maxsim_kd_qmask_fp32_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["K", "Lq"])
 def maxsim_kd_qmask_fp32_triton_norm_unified_bwd_kernel(
     Q,
@@ -229,6 +233,7 @@ def maxsim_kd_qmask_fp32_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_kd_qmask_fp32_triton_norm_unified_normalize_bwd_kernel(
     G,

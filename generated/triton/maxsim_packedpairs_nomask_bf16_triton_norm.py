@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a2c89e092525d98b5eac24a15d2062e7d67822f454d3293698206458d4662cf3
+# body-sha256: b50b66f20cbb43edd5663385687bf6e3d87383d5b6e1fd214c5352ce92b5f8a1
 
 """MaxSim forward for maxsim_packedpairs_nomask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "packed_pairs"
@@ -39,6 +41,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_bf16_triton_norm_fwd_kernel(
     Q,

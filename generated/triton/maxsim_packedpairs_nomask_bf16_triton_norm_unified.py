@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ae83f71efb3308900c6c188b762aceb4cb13e5d9eb4450e7cbe4608a8a9e6a10
+# body-sha256: 35bf130ade0a1821ae84bbb6561c222514b0ab3ef300ad48d7f4361fc35e175f
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "packed_pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_bf16_triton_norm_unified_fwd_kernel(
     Q,
@@ -154,6 +157,7 @@ def maxsim_packedpairs_nomask_bf16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_packedpairs_nomask_bf16_triton_norm_unified_bwd_kernel(
     Q,
@@ -242,6 +246,7 @@ def maxsim_packedpairs_nomask_bf16_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_packedpairs_nomask_bf16_triton_norm_unified_normalize_bwd_kernel(
     G,

@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7234a53af926deb91287260e1029d81e52bf7b475c5e985b2092edcb829a266b
+# body-sha256: aa028719c59f2c6c27f3acc5651465bff941e3fc18573a1681f413b36dd5db42
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "packed_pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_bf16_triton_unified_fwd_kernel(
     Q,
@@ -133,6 +136,7 @@ def maxsim_packedpairs_nomask_bf16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_packedpairs_nomask_bf16_triton_unified_bwd_kernel(
     Q,

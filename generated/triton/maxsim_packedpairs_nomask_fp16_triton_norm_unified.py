@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6ff8d25724225ce195e5ffc0d83122d2a5409f9e450e33898474f48f652a6fd3
+# body-sha256: 7a1679498d32119d7d57fa9deb934c3f88c5f52fe915220780f16a1cd7bfb82e
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "packed_pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp16_triton_norm_unified_fwd_kernel(
     Q,
@@ -154,6 +157,7 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_packedpairs_nomask_fp16_triton_norm_unified_bwd_kernel(
     Q,
@@ -242,6 +246,7 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_packedpairs_nomask_fp16_triton_norm_unified_normalize_bwd_kernel(
     G,

@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3ce1a01e2336e1955f076bb0853c8d7b379f03efd1f2189903035fa319c7049f
+# body-sha256: 4e1c66a8694479dd1fdaefee6d4d75a09be7bd2babcbd16544ffd927dad989a0
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "packed_pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     Q,
@@ -133,6 +136,7 @@ def maxsim_packedpairs_nomask_fp16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_packedpairs_nomask_fp16_triton_unified_bwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1c10fbc6ae1b5708a8e110cd3fd3457799a24da5e46d9d08f78f574861365028
+# body-sha256: 3e8f7c292c3b4a8ea0c35c3395e906b125af0098ee5cc92b0c9778bc13eb2043
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "packed_pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp32_triton_fwd_kernel(
     Q,

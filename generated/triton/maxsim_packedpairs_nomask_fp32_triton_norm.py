@@ -2,13 +2,15 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c0ca2a0fda1fd06a9bd59e499f45b76f4875788ceaf3b6ee6efd3ccd23f67f09
+# body-sha256: c648012ef002ed1925f24cc0f484e91d991efeaa67144232c1813e3db266008c
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "packed_pairs"
@@ -39,6 +41,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_packedpairs_nomask_fp32_triton_norm_fwd_kernel(
     Q,

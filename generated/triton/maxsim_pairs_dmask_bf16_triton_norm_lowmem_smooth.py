@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: d17e5ab34ca368d4493c08d1d1dc9433455ed49f580ce8784ec02001b6cc8981
+# body-sha256: 23d7c3c54ba30ccc3647796a7495f331a8b2a5596ae15a45e56d9e338ba8067f
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "pairs"
@@ -77,6 +79,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth_fwd_kernel(
     Q,
@@ -161,6 +164,7 @@ def maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -251,6 +255,7 @@ def maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_bf16_triton_norm_lowmem_smooth_bwd_d_kernel(
     Q,

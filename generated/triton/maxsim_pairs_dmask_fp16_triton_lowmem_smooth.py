@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_fp16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 4a28962a01d3e5a1bdb2a901e4aab500ef72b5aad5aeb9b63e7e05d6fae748c6
+# body-sha256: 19e2f0b57ecd36146ae59a7f3c1bc4343870303336370cca48aa9a0cc04d4a82
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_lowmem_smooth_fwd_kernel(
     Q,
@@ -138,6 +141,7 @@ def maxsim_pairs_dmask_fp16_triton_lowmem_smooth_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_lowmem_smooth_bwd_q_kernel(
     Q,
@@ -224,6 +228,7 @@ def maxsim_pairs_dmask_fp16_triton_lowmem_smooth_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_lowmem_smooth_bwd_d_kernel(
     Q,

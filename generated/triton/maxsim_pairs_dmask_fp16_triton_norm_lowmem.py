@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: dd0a98a52dd7a8dbb439079c65a59348bb5f82ff8c45cccaf2503949c917c253
+# body-sha256: 326ce74f5df5701f2bc974e99debd604809ab721175fb4008b9f70bf3d1c093c
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -136,6 +139,7 @@ def maxsim_pairs_dmask_fp16_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_dmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -198,6 +202,7 @@ def maxsim_pairs_dmask_fp16_triton_norm_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_norm_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 44f9173a870771f8eff5b6796fc8a79b4c952033d2834dfeec06b89728e76434
+# body-sha256: 35bf6d35cf62af5d14d59bc7389f47b9c6d1245d1195bea12b8cc341c161fa29
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -89,6 +91,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_norm_topkmean_fwd_kernel(
     Q,

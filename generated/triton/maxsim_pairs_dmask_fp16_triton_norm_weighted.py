@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_fp16_triton_norm_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e976450688939e65eb056a296b83dd1f90fa21438240619690ac042e0904290b
+# body-sha256: 2dfcfac42e8867e5031bdc1b36b0e17186b23058796eaf91d0d45fe7e9731aa4
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton_norm_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -64,6 +66,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp16_triton_norm_weighted_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cc4eac69b51f4d6408d878c3fccc2346ee3aa81ebcc3c2013edfd350f62840a0
+# body-sha256: be6767fa562f0ef2ead3b129e6aceb52bb34715c738f8840e53654473f36eb33
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp32_triton_lowmem_fwd_kernel(
     Q,
@@ -115,6 +118,7 @@ def maxsim_pairs_dmask_fp32_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_dmask_fp32_triton_lowmem_bwd_q_kernel(
     D,
@@ -166,6 +170,7 @@ def maxsim_pairs_dmask_fp32_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp32_triton_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 60e9b0c4f6323b66163b17ffb52def559c89289f04989e849ffd2be66fca6669
+# body-sha256: 30695133f33af5115b66da2f29008b0e0e2ec23b3d6d711b09a6bcba639a643a
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -58,6 +60,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp32_triton_lowmem_weighted_fwd_kernel(
     Q,
@@ -141,6 +144,7 @@ def maxsim_pairs_dmask_fp32_triton_lowmem_weighted_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp32_triton_lowmem_weighted_bwd_q_kernel(
     Q,
@@ -242,6 +246,7 @@ def maxsim_pairs_dmask_fp32_triton_lowmem_weighted_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_dmask_fp32_triton_lowmem_weighted_bwd_d_kernel(
     Q,

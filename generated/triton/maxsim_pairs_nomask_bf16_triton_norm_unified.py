@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_nomask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6e9c6dffc931b79edddfa0861832d3690880ffd2b9edb1458876aee11a503c79
+# body-sha256: c3813166f17f33468ae150df6a96b89b9809145ec791158b78b0cf7fd647993c
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_bf16_triton_norm_unified_fwd_kernel(
     Q,
@@ -132,6 +135,7 @@ def maxsim_pairs_nomask_bf16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_nomask_bf16_triton_norm_unified_bwd_kernel(
     Q,
@@ -213,6 +217,7 @@ def maxsim_pairs_nomask_bf16_triton_norm_unified_bwd_kernel(
     tl.store(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_pairs_nomask_bf16_triton_norm_unified_normalize_bwd_kernel(
     G,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_nomask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 63d928fa678e0c38b2d9713a323c57a8ea91338411afd672bb72b7e51876b0ff
+# body-sha256: 64ee4665c66953ad871725812063ba47893f1a67702f4a5ca8bf43226e2bd384
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp16_triton_lowmem_fwd_kernel(
     Q,
@@ -111,6 +114,7 @@ def maxsim_pairs_nomask_fp16_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_nomask_fp16_triton_lowmem_bwd_q_kernel(
     D,
@@ -162,6 +166,7 @@ def maxsim_pairs_nomask_fp16_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp16_triton_lowmem_bwd_d_kernel(
     Q,

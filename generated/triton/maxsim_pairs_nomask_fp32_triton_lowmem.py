@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_nomask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 50e6d74f22d0a0ed6a9182997d2b1f5bbd8af1e336f189a72ae074d73b27d0e2
+# body-sha256: 3aa8d61de5d35915e2fc806603f84b12e9c53750f98995340698f47c096f5cf7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp32_triton_lowmem_fwd_kernel(
     Q,
@@ -111,6 +114,7 @@ def maxsim_pairs_nomask_fp32_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_nomask_fp32_triton_lowmem_bwd_q_kernel(
     D,
@@ -162,6 +166,7 @@ def maxsim_pairs_nomask_fp32_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp32_triton_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: c2caa2d3b115d28db41f4ddcce050b8862d2bce89e2908376f672754b2bd3798
+# body-sha256: 36c709bd4c3d0b3ed11c0831358291d1f377c6ccdcf9deeac6ba1e06751df177
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -101,6 +103,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean_fwd_kernel(
     Q,
@@ -184,6 +187,7 @@ def maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -273,6 +277,7 @@ def maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp32_triton_norm_lowmem_topkmean_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_nomask_fp32_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 1819ee3117faa4637cb8ca93f8386fcf160cc9a32363e882d2a1bb6788873871
+# body-sha256: c9014977252d46a0147276aa9fec9ae895d14c1f93314af7da7b3cf884fe1ba7
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -83,6 +85,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_nomask_fp32_triton_topkmean_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: a199bffa9dc4ab53182f868d656977c4a57448cd95d10a7d911ee62a8d5888fd
+# body-sha256: 6cbfb87d5a5ed3b685be923baa103ff0917392855c7f3fd7d5d9070011146e5b
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "pairs"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_bf16_triton_smooth_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 3f0d38b8d2741cba3454a8a8924e748863f3de97133d5da67cadbfffa8cbc0c0
+# body-sha256: 59749dc4e12ad18c619da4ae3f5f8b716e21970ec972564dcebfa1e45f330ebe
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -101,6 +103,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean_fwd_kernel(
     Q,
@@ -193,6 +196,7 @@ def maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean_bwd_q_kernel(
     Q,
@@ -295,6 +299,7 @@ def maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp16_triton_norm_lowmem_topkmean_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f93664a44ed044cd876e41fe00a934cac08791f75fdff6e3e7c93ef33911503a
+# body-sha256: b2d78b9309665352f82548b7aec3e5ac42cea2b732eb81a096d78b8c79c0c934
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp16_triton_norm_unified_fwd_kernel(
     Q,
@@ -141,6 +144,7 @@ def maxsim_pairs_qdmask_fp16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qdmask_fp16_triton_norm_unified_bwd_kernel(
     Q,
@@ -222,6 +226,7 @@ def maxsim_pairs_qdmask_fp16_triton_norm_unified_bwd_kernel(
     tl.store(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_pairs_qdmask_fp16_triton_norm_unified_normalize_bwd_kernel(
     G,

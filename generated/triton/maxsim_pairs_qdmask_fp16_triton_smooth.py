@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: c2428d2b84d0a51062a104ef857c22500da79d43f688f48c40b65e9d3e7a5b7e
+# body-sha256: e66360b6dff88590f3aae39dcf4431d93876900ea3102b7ecc6be457c028d090
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp16_triton_smooth_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 90fe1648f6f8b0224cee565f9a67126ffa83d88a5a2f2ca0676001f6e616c806
+# body-sha256: 4f9e3bfa4bed18b44787117a0dfff6edb096c301ce7add237edc51ae4de77f13
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -58,6 +60,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp32_triton_lowmem_weighted_fwd_kernel(
     Q,
@@ -146,6 +149,7 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_weighted_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp32_triton_lowmem_weighted_bwd_q_kernel(
     Q,
@@ -252,6 +256,7 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_weighted_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp32_triton_lowmem_weighted_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 28bc85851a619d6117383400026908d63ba7cacd0698041dcc20ba0859f42f01
+# body-sha256: 000838c81f589a207e7b3ddca1a297c19fde268f96478fc40250a677f4d3776d
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qdmask_fp32_triton_unified_fwd_kernel(
     Q,
@@ -120,6 +123,7 @@ def maxsim_pairs_qdmask_fp32_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qdmask_fp32_triton_unified_bwd_kernel(
     Q,

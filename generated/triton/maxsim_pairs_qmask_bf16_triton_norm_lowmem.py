@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8e92c8fecabf10f96519d21d0d6f42012c806ae729b9df74b5a35ed134dac61c
+# body-sha256: 7f41c2cf1fcb1040cb30130e7a7f5f7a8d4ed59b2a298fb03f56e2779daeb0e0
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     Q,
@@ -137,6 +140,7 @@ def maxsim_pairs_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qmask_bf16_triton_norm_lowmem_bwd_q_kernel(
     Q,
@@ -199,6 +203,7 @@ def maxsim_pairs_qmask_bf16_triton_norm_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_bf16_triton_norm_lowmem_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 98bc6054509be4bfb816ad75f483312cfd1112ac78fb15e1b7e6af7c7859cc35
+# body-sha256: f87e0347c50be9b40152b019f4c78957e0a0d4da74d09a3971fb348a0c1a8a09
 
 """MaxSim forward for maxsim_pairs_qmask_bf16_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "pairs"
@@ -89,6 +91,7 @@ def _score_grad(sim, offs_t, tokens, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl
     return hits / tl.maximum(count, 1.0)[:, None]
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_bf16_triton_norm_topkmean_fwd_kernel(
     Q,

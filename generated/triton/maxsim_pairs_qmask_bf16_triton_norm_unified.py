@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 42ecbd4d0e1b497ad37479fcdc7ad5c04c1df20f1712d126f17a1e7794e28119
+# body-sha256: 76253bc0d2584e62fb3a9b2d2e59164753b8c399e2dc324cdd9d30db3038acd0
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_bf16_triton_norm_unified_fwd_kernel(
     Q,
@@ -137,6 +140,7 @@ def maxsim_pairs_qmask_bf16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qmask_bf16_triton_norm_unified_bwd_kernel(
     Q,
@@ -218,6 +222,7 @@ def maxsim_pairs_qmask_bf16_triton_norm_unified_bwd_kernel(
     tl.store(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_pairs_qmask_bf16_triton_norm_unified_normalize_bwd_kernel(
     G,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_fp16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: dd1ce9c1d6deff1681bf5f28ec3b714c44a981544866b2d997c0d259371f01a2
+# body-sha256: 39980a81dcf26e49074d9e22373ff0c658ab7b6b8683f2223de8212bcac0e5b7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -58,6 +60,7 @@ def _score_grad(sim, offs_t, best_index, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS
     return (offs_t[None, :] == best_index[:, None]).to(tl.float32)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp16_triton_lowmem_weighted_fwd_kernel(
     Q,
@@ -142,6 +145,7 @@ def maxsim_pairs_qmask_fp16_triton_lowmem_weighted_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp16_triton_lowmem_weighted_bwd_q_kernel(
     Q,
@@ -240,6 +244,7 @@ def maxsim_pairs_qmask_fp16_triton_lowmem_weighted_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp16_triton_lowmem_weighted_bwd_d_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fabcb1a5fc08850e0adc4a2c98e7c572f2675baff87a2544772aa7d81ea27ec0
+# body-sha256: 3d4a5680599c38ef3a594468f715b0b5a0203677329e19e2f99b137eab859c9c
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp16_triton_norm_unified_fwd_kernel(
     Q,
@@ -137,6 +140,7 @@ def maxsim_pairs_qmask_fp16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qmask_fp16_triton_norm_unified_bwd_kernel(
     Q,
@@ -218,6 +222,7 @@ def maxsim_pairs_qmask_fp16_triton_norm_unified_bwd_kernel(
     tl.store(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_pairs_qmask_fp16_triton_norm_unified_normalize_bwd_kernel(
     G,

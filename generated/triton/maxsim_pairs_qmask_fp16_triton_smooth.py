@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_fp16_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 0bcfa4eae128f42abf96872f55af2df7d17542e674add85cb90d02dc788c5600
+# body-sha256: 6c9deeb441dd34cac3cb65d62564e1e235dec9fb0e639c359889a6fa89e6c9b8
 
 """MaxSim forward for maxsim_pairs_qmask_fp16_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -59,6 +61,7 @@ def _score_grad(sim, offs_t, lse, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.co
     return tl.exp((sim - shift[:, None]) / tau)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp16_triton_smooth_fwd_kernel(
     Q,

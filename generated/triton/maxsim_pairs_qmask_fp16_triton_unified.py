@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 614b4700d24be9bbafa2c6d21fe72ddf37f8047a118274e523d101d8dfec106e
+# body-sha256: c12685c7b57aecfc0e95bf46d0171431d70c2c079630f7dd81337f06013fc7d3
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp16_triton_unified_fwd_kernel(
     Q,
@@ -116,6 +119,7 @@ def maxsim_pairs_qmask_fp16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qmask_fp16_triton_unified_bwd_kernel(
     Q,

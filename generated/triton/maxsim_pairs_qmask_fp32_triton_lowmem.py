@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ce370821e70196af7de8db9c0a5da91d07ac69dd8cab5f23f0f63e18d31f7db8
+# body-sha256: fc7b002ea461b86532ad24cfe45c8a2e5312a904023a480f1caf76a28b94a488
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp32_triton_lowmem_fwd_kernel(
     Q,
@@ -116,6 +119,7 @@ def maxsim_pairs_qmask_fp32_triton_lowmem_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qmask_fp32_triton_lowmem_bwd_q_kernel(
     D,
@@ -167,6 +171,7 @@ def maxsim_pairs_qmask_fp32_triton_lowmem_bwd_q_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp32_triton_lowmem_bwd_d_kernel(
     Q,

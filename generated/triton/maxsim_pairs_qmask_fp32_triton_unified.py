@@ -2,13 +2,15 @@
 # variant: maxsim_pairs_qmask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 41c0b149f3da2a90f731e59f2a8f33fc035f7a3843cafbb6a1f64b9e96ac78fe
+# body-sha256: 54c95c33b9230f6c099f4c560e3ce30949871deb8402d303d955123883938e5a
 
 """MaxSim training (unified backward) for maxsim_pairs_qmask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "pairs"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq", "Ld"])
 def maxsim_pairs_qmask_fp32_triton_unified_fwd_kernel(
     Q,
@@ -116,6 +119,7 @@ def maxsim_pairs_qmask_fp32_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Lq"])
 def maxsim_pairs_qmask_fp32_triton_unified_bwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9746a8b10c8eca666e54deab87f667b5942757c728de01e568ca440bfbc7f643
+# body-sha256: dac3a553a87be450d6cd6a9260c4fba58c47db0c7b026a45b77ea31667091de2
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "varlen"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
 def maxsim_varlen_nomask_bf16_triton_norm_res2_fwd_kernel(
     Q,

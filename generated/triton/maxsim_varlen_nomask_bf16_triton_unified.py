@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 652d9b87ef4c12b6908bf35384cdef6813b9db71500604fa8bb55e15d29f712f
+# body-sha256: 27d002fdc94c2d5f986d7ed8f9e61018e5b9efe158beb3d5a7f64223e1ef29cc
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "varlen"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_varlen_nomask_bf16_triton_unified_fwd_kernel(
     Q,
@@ -126,6 +129,7 @@ def maxsim_varlen_nomask_bf16_triton_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_varlen_nomask_bf16_triton_unified_bwd_kernel(
     Q,

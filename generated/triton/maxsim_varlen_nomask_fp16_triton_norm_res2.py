@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0f2d6e5e70c216e8fecd7f8c53e8931305eed9e93a2042f70cdb7341c01ae164
+# body-sha256: 82711b5ac1c51828a40265f28053d3af8ece423362f3f45ca308da1e3f5b7093
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "varlen"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
 def maxsim_varlen_nomask_fp16_triton_norm_res2_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fd901f2750de1e2b63d26e4bd8ece1e7da9f1d64bf25e7116351882b2e0622da
+# body-sha256: a0835ba252d4a4c83dba5e56021deaf6fd48e2fe388931847a9c5aa04dca04fe
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "varlen"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
 def maxsim_varlen_nomask_fp16_triton_norm_res4_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c8d6346de5d66568c552be95b03b3e78c401b541540756826ba240eab1c7ce64
+# body-sha256: 88a305a8a43eb60ce6bdbba6c5076463b7f078b5b5d292533d4d88733a579958
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "varlen"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
 def maxsim_varlen_nomask_fp16_triton_norm_res8_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: bfdcdaf2133e1bb33f068c68fcee306866b3a56cdb85d6cd100aab3c097b5434
+# body-sha256: b748e99fc2c278f67e987d153e122f17e78d00404c8d384eba6fb25b284f1252
 
 """MaxSim training (unified backward) for maxsim_varlen_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float16
 LAYOUT = "varlen"
@@ -51,6 +53,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_varlen_nomask_fp16_triton_norm_unified_fwd_kernel(
     Q,
@@ -147,6 +150,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_unified_fwd_kernel(
     )
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "total_q"])
 def maxsim_varlen_nomask_fp16_triton_norm_unified_bwd_kernel(
     Q,
@@ -235,6 +239,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_unified_bwd_kernel(
     tl.atomic_add(gq_ptrs, grad_q, mask=q_tile_mask)
 
 
+@cached_launch
 @triton.jit
 def maxsim_varlen_nomask_fp16_triton_norm_unified_normalize_bwd_kernel(
     G,

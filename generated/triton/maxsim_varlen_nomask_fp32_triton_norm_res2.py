@@ -2,13 +2,15 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fe81a39c1850c4efe38bca11c693491b273784267411a1e43724c041fc13cd86
+# body-sha256: 579995be4a55ee7d0f6f57ad45e80031e0c881006ea3c7b2e1ff076db92b2e21
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "varlen"
@@ -91,6 +93,7 @@ def _load_doc_tile(
     return tl.where(valid, value, 0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
 def maxsim_varlen_nomask_fp32_triton_norm_res2_fwd_kernel(
     Q,

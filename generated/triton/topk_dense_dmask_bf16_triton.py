@@ -2,13 +2,15 @@
 # variant: topk_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 50e4d920bff31a11c4be4d787a27db18cd2d2ecad6776604589522de15e64abf
+# body-sha256: c007dcab0d7755c93e63664f13a95af602f47e7f3a3f3f69be82cd3846b051ac
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.bfloat16
 LAYOUT = "dense"
@@ -33,6 +35,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def topk_dense_dmask_bf16_triton_fwd_kernel(
     Q,

@@ -2,13 +2,15 @@
 # variant: topk_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 37b12bc87e2e34834f3bfbb21e3bb889c807fc367a8f4c6956f89631284b7e87
+# body-sha256: 7d7bc0d58cbf6339bdf34f5b00b5cf3044832dadcdb3b30eca7d5b8bdf281982
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
 import torch
 import triton
 import triton.language as tl
+
+from lik.runtime.launch_cache import cached_launch
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -39,6 +41,7 @@ def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
     return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld"])
 def topk_dense_dmask_fp32_triton_norm_fwd_kernel(
     Q,

@@ -1,0 +1,185 @@
+"""lik.runtime.launch_cache: which launches reuse a compiled kernel, and with what
+arguments. CPU: a stand-in JIT function records whether Triton's path or the compiled
+kernel served each launch. The GPU test compares the two paths on a generated kernel."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from lik.runtime import launch_cache
+from lik.runtime.launch_cache import CachedLaunch, cached_launch
+
+
+class FakeCompiled:
+    function = "function-handle"
+    packed_metadata = ("packed",)
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *launch_args):
+        self.launches.append(launch_args)
+
+
+class FakeJit:
+    """A JIT function with parameters (X, n, BLOCK: constexpr); run compiles per call."""
+
+    def __init__(self, names=("X", "n", "BLOCK"), constexpr=("BLOCK",)):
+        self.arg_names = list(names)
+        self.params = [types.SimpleNamespace(name=n, is_constexpr=n in constexpr) for n in names]
+        self.pre_run_hooks = []
+        self.triton_launches = 0
+        self.compiled = []
+
+    def run(self, *args, grid, warmup, **meta):
+        self.triton_launches += 1
+        self.compiled.append(FakeCompiled())
+        return self.compiled[-1]
+
+
+@pytest.fixture(autouse=True)
+def one_device(request, monkeypatch):
+    """CPU tests: a stand-in device and stream (the GPU test keeps the real ones)."""
+    if request.node.get_closest_marker("gpu"):
+        return
+    monkeypatch.setattr(launch_cache, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_cache, "_raw_stream", lambda device: 1234)
+
+
+def _tensor(dtype=torch.bfloat16, misaligned=False):
+    base = torch.zeros(64, dtype=dtype)
+    return base[1:] if misaligned else base
+
+
+def test_a_repeated_launch_calls_the_compiled_kernel_with_every_argument_in_order():
+    jit = FakeJit()
+    kernel = CachedLaunch(jit)
+    X = _tensor()
+    kernel[(3,)](X, 40, BLOCK=64, num_warps=4)
+    kernel[(5, 2)](X, 56, BLOCK=64, num_warps=4)  # 40 and 56: the same specialization
+    assert jit.triton_launches == 1
+    (launch,) = jit.compiled[0].launches
+    assert launch[:7] == (5, 2, 1, 1234, "function-handle", ("packed",), None)
+    assert launch[7:9] == (None, None)  # no hooks
+    assert launch[9] is X and launch[10:] == (56, 64)
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ((_tensor(), 40), (_tensor(misaligned=True), 40)),  # 16-byte alignment
+        ((_tensor(), 40), (_tensor(torch.float16), 40)),  # dtype
+        ((_tensor(), 40), (_tensor(), 1)),  # an int equal to 1
+        ((_tensor(), 40), (_tensor(), 32)),  # divisible by 16
+        ((_tensor(), 40), (_tensor(), 2**31 + 8)),  # i32 -> i64
+        ((_tensor(), 2**40 + 8), (_tensor(), 2**63 + 8)),  # i64 -> u64
+        ((None, 40), (_tensor(), 40)),  # None against a tensor
+        ((torch.nn.Parameter(_tensor()), 40), (torch.nn.Parameter(_tensor()[1:]), 40)),
+        ((_tensor(), True), (_tensor(), False)),  # bools by value
+    ],
+)
+def test_what_triton_specializes_on_selects_another_compiled_kernel(first, second):
+    jit = FakeJit()
+    kernel = CachedLaunch(jit)
+    kernel[(1,)](*first, BLOCK=64)
+    kernel[(1,)](*second, BLOCK=64)
+    assert jit.triton_launches == 2
+    kernel[(1,)](*second, BLOCK=64)
+    assert jit.triton_launches == 2 and len(jit.compiled[1].launches) == 1
+
+
+def test_constexprs_and_launch_options_are_keyed_by_value():
+    jit = FakeJit()
+    kernel = CachedLaunch(jit)
+    X = _tensor()
+    for block, warps in [(64, 4), (32, 4), (64, 8), (64, 4)]:
+        kernel[(1,)](X, 40, BLOCK=block, num_warps=warps)
+    assert jit.triton_launches == 3
+
+
+def test_a_float_argument_is_keyed_by_type_only():
+    jit = FakeJit(names=("X", "tau", "BLOCK"))
+    kernel = CachedLaunch(jit)
+    kernel[(1,)](_tensor(), 0.5, BLOCK=16)
+    kernel[(1,)](_tensor(), 0.25, BLOCK=16)
+    assert jit.triton_launches == 1
+    assert jit.compiled[0].launches[0][-2] == 0.25
+
+
+@pytest.mark.parametrize(
+    "jit, args, meta",
+    [
+        (FakeJit(), (_tensor(), 40, 64), {}),  # a constexpr passed by position
+        (FakeJit(), (_tensor(),), {"n": 40}),  # BLOCK left to a default
+        (FakeJit(), (_tensor(), "forty"), {"BLOCK": 64}),  # an argument the key cannot read
+    ],
+)
+def test_launches_the_key_cannot_rebuild_stay_on_tritons_path(jit, args, meta):
+    kernel = CachedLaunch(jit)
+    for _ in range(3):
+        kernel[(1,)](*args, **meta)
+    assert jit.triton_launches == 3
+    assert all(not compiled.launches for compiled in jit.compiled)
+
+
+def test_a_launch_hook_sends_every_launch_through_triton(monkeypatch):
+    from triton import knobs
+
+    jit = FakeJit()
+    kernel = CachedLaunch(jit)
+    kernel[(1,)](_tensor(), 40, BLOCK=64)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    kernel[(1,)](_tensor(), 40, BLOCK=64)
+    assert jit.triton_launches == 2 and not jit.compiled[0].launches
+
+
+def test_attributes_are_the_jit_functions_and_other_functions_stay_unwrapped():
+    jit = FakeJit()
+    assert CachedLaunch(jit).arg_names == jit.arg_names
+
+    def plain(x):
+        return x
+
+    assert cached_launch(plain) is plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generated_kernel_scores_the_same_through_the_cache_and_through_triton():
+    """Aligned and misaligned views, repeated: the cached launches match Triton's own."""
+    from lik.runtime import maxsim, registry
+
+    module = registry.load("maxsim_dense_nomask_bf16_triton")
+    kernel = module.maxsim_dense_nomask_bf16_triton_fwd_kernel
+    assert isinstance(kernel, CachedLaunch)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    storage = torch.randn(7 * 37 * 64 + 1, generator=g, device="cuda", dtype=torch.bfloat16)
+    Q = torch.randn(3, 11, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    for offset in (0, 1, 0, 1):  # bf16 offset 1: a 2-byte-aligned doc pointer
+        D = storage[offset : offset + 7 * 37 * 64].view(7, 37, 64)
+        cached = maxsim(Q, D)
+        module.maxsim_dense_nomask_bf16_triton_fwd_kernel = kernel.kernel  # Triton's path
+        try:
+            direct = maxsim(Q, D)
+        finally:
+            module.maxsim_dense_nomask_bf16_triton_fwd_kernel = kernel
+        assert torch.equal(cached, direct)
+    assert len(kernel._compiled) >= 2
+
+
+def test_an_empty_hook_chain_is_no_hook():
+    assert not launch_cache._hooked(None)
+    assert not launch_cache._hooked(types.SimpleNamespace(calls=[]))
+    assert launch_cache._hooked(types.SimpleNamespace(calls=[print]))
+    assert launch_cache._hooked(print)
+
+
+def test_a_grid_given_as_a_function_stays_on_tritons_path():
+    jit = FakeJit()
+    kernel = CachedLaunch(jit)
+    for _ in range(2):
+        kernel[lambda meta: (1,)](_tensor(), 40, BLOCK=64)
+    assert jit.triton_launches == 2
