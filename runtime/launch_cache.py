@@ -24,13 +24,30 @@ process reaches kernels not launched before it).
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 try:
+    import triton
     from triton import knobs
     from triton.runtime.jit import JITFunction
-except ImportError:  # no Triton: nothing to wrap
+except ImportError:  # no Triton, or one without knobs (before 3.4): nothing to wrap
     JITFunction = None
+
+# Triton versions whose compiled-kernel launch takes (grid x, y, z, stream, function,
+# packed metadata, launch metadata, enter hook, exit hook, *every bound argument):
+# checked on 3.6 (GPU) and in 3.9's sources. Others keep Triton's own path.
+SUPPORTED_TRITON = ((3, 6), (4, 0))
+
+
+def _supported(version: str) -> bool:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (
+        found is not None
+        and SUPPORTED_TRITON[0] <= tuple(map(int, found.groups())) < SUPPORTED_TRITON[1]
+    )
+
 
 _UNKEYABLE = object()  # an argument the key cannot describe
 _MISSING = object()
@@ -134,7 +151,9 @@ class CachedLaunch:
 
 def cached_launch(kernel):
     """Wraps a compiled-mode Triton JIT function; anything else (the interpreter's
-    functions, no Triton) is returned as it is."""
+    functions, no Triton, a Triton outside SUPPORTED_TRITON) is returned as it is."""
     if JITFunction is None or not isinstance(kernel, JITFunction):
+        return kernel
+    if not _supported(triton.__version__):
         return kernel
     return CachedLaunch(kernel)

@@ -183,3 +183,18 @@ def test_a_grid_given_as_a_function_stays_on_tritons_path():
     for _ in range(2):
         kernel[lambda meta: (1,)](_tensor(), 40, BLOCK=64)
     assert jit.triton_launches == 2
+
+
+@pytest.mark.parametrize(
+    "version, supported",
+    [
+        ("3.5.1", False),
+        ("3.6.0", True),
+        ("3.9+git1a2b", True),
+        ("3.10.0", True),
+        ("4.0.0", False),
+        ("unknown", False),
+    ],  # fmt: skip
+)
+def test_only_triton_versions_with_the_checked_launch_contract_are_wrapped(version, supported):
+    assert launch_cache._supported(version) == supported
