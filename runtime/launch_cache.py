@@ -111,10 +111,16 @@ class CachedLaunch:
         return lambda *args, **meta: self._launch(grid, args, meta)
 
     def _launch(self, grid, args, meta):
+        device = _current_device()
+        first = args[0] if args else None
+        if type(first) is Tensor and first.is_cuda and first.get_device() != device:
+            # Inputs on another GPU than the current one (a process that never called
+            # set_device): launch on theirs, as PyTorch's own ops do.
+            with torch.cuda.device(first.device):
+                return self._launch(grid, args, meta)
         runtime = knobs.runtime
         if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return self.kernel.run(*args, grid=grid, warmup=False, **meta)
-        device = _current_device()
         specs = _specializations(args)
         key = (device, specs, tuple(meta.items()))
         entry = self._compiled.get(key, _MISSING)

@@ -198,3 +198,25 @@ def test_a_grid_given_as_a_function_stays_on_tritons_path():
 )
 def test_only_triton_versions_with_the_checked_launch_contract_are_wrapped(version, supported):
     assert launch_cache._supported(version) == supported
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_inputs_on_another_gpu_than_the_current_one_are_scored_there():
+    """No set_device: tensors on cuda:1 while cuda:0 is current, forward and backward."""
+    from lik.runtime import maxsim
+    from lik.runtime.reference import maxsim_reference
+
+    assert torch.cuda.current_device() == 0
+    g = torch.Generator(device="cuda:1").manual_seed(5)
+    Q = torch.randn(3, 9, 64, generator=g, device="cuda:1").requires_grad_()
+    D = torch.randn(5, 41, 64, generator=g, device="cuda:1").requires_grad_()
+    scores = maxsim(Q, D)
+    torch.testing.assert_close(scores, maxsim_reference(Q, D).float(), rtol=1e-4, atol=1e-4)
+    scores.sum().backward()
+    Q64 = Q.detach().double().requires_grad_()
+    D64 = D.detach().double().requires_grad_()
+    maxsim_reference(Q64, D64).sum().backward()
+    torch.testing.assert_close(Q.grad.double(), Q64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(D.grad.double(), D64.grad, rtol=1e-4, atol=1e-4)
+    assert torch.cuda.current_device() == 0
