@@ -115,7 +115,8 @@ class CachedLaunch:
         first = args[0] if args else None
         if type(first) is Tensor and first.is_cuda and first.get_device() != device:
             # Inputs on another GPU than the current one (a process that never called
-            # set_device): launch on theirs, as PyTorch's own ops do.
+            # set_device): launch with their device current, so the stream is their
+            # device's current stream, the one PyTorch's own ops on them use.
             with torch.cuda.device(first.device):
                 return self._launch(grid, args, meta)
         runtime = knobs.runtime

@@ -203,7 +203,8 @@ def test_only_triton_versions_with_the_checked_launch_contract_are_wrapped(versi
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_inputs_on_another_gpu_than_the_current_one_are_scored_there():
-    """No set_device: tensors on cuda:1 while cuda:0 is current, forward and backward."""
+    """No set_device: tensors on cuda:1 while cuda:0 is current. Forward and backward,
+    through Triton's launch and then the cached one, run on cuda:1 and match float64."""
     from lik.runtime import maxsim
     from lik.runtime.reference import maxsim_reference
 
@@ -211,9 +212,15 @@ def test_inputs_on_another_gpu_than_the_current_one_are_scored_there():
     g = torch.Generator(device="cuda:1").manual_seed(5)
     Q = torch.randn(3, 9, 64, generator=g, device="cuda:1").requires_grad_()
     D = torch.randn(5, 41, 64, generator=g, device="cuda:1").requires_grad_()
-    scores = maxsim(Q, D)
+    maxsim(Q, D).sum().backward()  # first launches: through Triton; the next: cached
+    Q.grad = D.grad = None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        scores = maxsim(Q, D)
+        scores.sum().backward()
+        torch.cuda.synchronize(1)
+    ran_on = {e.device_index for e in profile.events() if e.name.startswith("maxsim_")}
+    assert ran_on == {1}, ran_on  # peer access would let cuda:0 run them, reading over the link
     torch.testing.assert_close(scores, maxsim_reference(Q, D).float(), rtol=1e-4, atol=1e-4)
-    scores.sum().backward()
     Q64 = Q.detach().double().requires_grad_()
     D64 = D.detach().double().requires_grad_()
     maxsim_reference(Q64, D64).sum().backward()
