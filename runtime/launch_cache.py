@@ -51,7 +51,7 @@ def _supported(version: str) -> bool:
 
 _UNKEYABLE = object()  # an argument the key cannot describe
 _MISSING = object()
-Tensor = torch.Tensor
+_Tensor = torch.Tensor
 _current_device = torch.cuda.current_device
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
 
@@ -68,7 +68,7 @@ def _specializations(args) -> tuple:
     what this saves); an int's facts pack into one small int: 1 if it equals 1, +2 if
     divisible by 16, +4 * its width."""
     return tuple([
-        (arg.dtype, arg.data_ptr() & 15 == 0) if type(arg) is Tensor
+        (arg.dtype, arg.data_ptr() & 15 == 0) if type(arg) is _Tensor
         else (arg == 1) + 2 * (arg & 15 == 0) + (0 if -(2**31) <= arg < 2**31 else _wide(arg))
         if type(arg) is int
         else _other_specialization(arg)
@@ -113,7 +113,7 @@ class CachedLaunch:
     def _launch(self, grid, args, meta):
         device = _current_device()
         first = args[0] if args else None
-        if type(first) is Tensor and first.is_cuda and first.get_device() != device:
+        if type(first) is _Tensor and first.is_cuda and first.get_device() != device:
             # Inputs on another GPU than the current one (a process that never called
             # set_device): launch with their device current, so the stream is their
             # device's current stream, the one PyTorch's own ops on them use.
