@@ -107,6 +107,19 @@ def test_whole_tiles_and_a_narrow_last_tile(backward, Ld):
     assert torch.all(gd[0, 70] == 0) and torch.any(gd[0, 5] != 0), "tie: the earliest wins"
 
 
+@pytest.mark.parametrize("backward", ["unified", "lowmem"])
+def test_a_second_backward_of_one_forward_gives_the_same_gradients(backward):
+    # retain_graph: the saved argmax must come out of the first backward unchanged
+    # (lowmem is bitwise repeatable; unified's fp32 atomics may add in another order).
+    Q, D, q_mask, _, weights = _inputs("dense", torch.float32, 3, 4, 6, 45, 32, 9, True, False)
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    loss = (maxsim(Qg, Dg, q_mask, normalize=True, backward=backward) * weights).sum()
+    first = torch.autograd.grad(loss, (Qg, Dg), retain_graph=True)
+    second = torch.autograd.grad(loss, (Qg, Dg))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b) if backward == "lowmem" else relative_error(a, b) < 1e-6
+
+
 def test_lowmem_is_bitwise_deterministic():
     inputs = _inputs("dense", torch.bfloat16, 4, 6, 9, 33, 48, 3, False, True)
     first = _run("dense", *inputs, True, "lowmem")
