@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 27626a5fc462030789c5d17a20316c7d23f27523cb1d5395faddce21e0636862
+# body-sha256: bbdf79055415b08ff5689a2d14738ccbbcbcee525c2b6338c208815ebc7cb35d
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -483,7 +483,10 @@ def launch(out, Q, D, q_mask, *, argmax, config):
 # so no tile minimum applies, and each program is a chain of dependent loads (argmax,
 # then the row it names) whose latency only more programs in flight can hide. Backward
 # on an H200 (in-batch 256 / colpali 32): 8 tokens on 4 warps 0.387 / 0.063 ms, 4 on 4
-# 0.356 / 0.060, 2 on 1 0.317 / 0.057, 1 on 1 0.344 / 0.058.
+# 0.356 / 0.060, 2 on 1 0.317 / 0.057, 1 on 1 0.344 / 0.058. Gathering 4 to 16 docs per
+# step (their argmax entries, then their rows, loaded together) was no faster on an H100
+# (whole backward, in-batch 256 / colpali 32: 0.319 / 0.0379 one doc at a time, best
+# several 0.331 / 0.0379).
 GRAD_Q_TOKENS = 2
 GRAD_Q_WARPS = 1
 # Listed query tokens per grad_D step, and query-token slots the route pass reads per

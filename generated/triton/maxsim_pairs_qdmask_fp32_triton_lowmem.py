@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 07576ef5f0573f2afc3c7501ded90cbac6ca9e4cd7d7810a683788b22031e608
+# body-sha256: 96f3a2b730456eadfd77a3e838caac0cfe6b92066893b938b0ac273bbda363ba
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -315,7 +315,10 @@ def launch(out, Q, D, q_mask, d_mask, *, argmax, config):
 # so no tile minimum applies, and each program is a chain of dependent loads (argmax,
 # then the row it names) whose latency only more programs in flight can hide. Backward
 # on an H200 (in-batch 256 / colpali 32): 8 tokens on 4 warps 0.387 / 0.063 ms, 4 on 4
-# 0.356 / 0.060, 2 on 1 0.317 / 0.057, 1 on 1 0.344 / 0.058.
+# 0.356 / 0.060, 2 on 1 0.317 / 0.057, 1 on 1 0.344 / 0.058. Gathering 4 to 16 docs per
+# step (their argmax entries, then their rows, loaded together) was no faster on an H100
+# (whole backward, in-batch 256 / colpali 32: 0.319 / 0.0379 one doc at a time, best
+# several 0.331 / 0.0379).
 GRAD_Q_TOKENS = 2
 GRAD_Q_WARPS = 1
 
