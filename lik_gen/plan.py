@@ -154,6 +154,8 @@ class RenderContext:
     # The forward may score a doc's partial last tile after its whole ones (streamed dense
     # inference, and the dense training forward): it takes TAIL_L, that tile's width.
     peels_tail: bool = False
+    # The dense training forward may keep its argmax per tile column (COLUMN_ARGMAX).
+    column_argmax: bool = False
     # The lowmem grad_D multiplies only the query tokens a route pass listed per (doc,
     # tile) (dense: every query scores every doc); fp16 scales g per step of rows.
     routed_grad_d: bool = False
@@ -659,6 +661,7 @@ def plan(variant: Variant):
         doc_stream=streams_docs(variant),
         even_tiles=has_even_tiles(variant),
         peels_tail=peels_tail(variant),
+        column_argmax=peels_tail(variant) and backward is not Backward.NONE and not hooked,
         routed_grad_d=routed,
         routed_g_scale=routed and variant.dtype is DType.FP16,
         bwd_route_args=args["bwd_route"] if routed else (),

@@ -100,10 +100,15 @@ def candidates(key: KernelKey):
         return
     # One query alone is always a candidate; stacking stops at twice a full tile.
     groups = [1] + [g for g in (2, 4, 8) if g <= key.queries and g * key.lq <= 2 * STACKED_ROWS]
+    # The dense training forward keeps its argmax per row or per tile column.
+    column = (False, True) if registry.load(key.variant).COLUMN_ARGMAX_OPTION else (False,)
     for group in groups:
         warps = NUM_WARPS if group * key.lq > THIN_ROWS else THIN_WARPS + NUM_WARPS
-        for block_l, num_warps, stages in itertools.product(BLOCK_L, warps, NUM_STAGES):
-            yield LaunchConfig(key.lq, block_l, key.head_dim, num_warps, stages, query_group=group)
+        for block_l, num_warps, stages, by_column in itertools.product(
+            BLOCK_L, warps, NUM_STAGES, column
+        ):
+            yield LaunchConfig(key.lq, block_l, key.head_dim, num_warps, stages,
+                               query_group=group, column_argmax=by_column)  # fmt: skip
 
 
 def _generator():
@@ -231,12 +236,15 @@ def tune_key(key: KernelKey, runs, names: str, quick: bool) -> tuple[str, dict] 
     entry = {"block_l": config.block_l, "num_warps": config.num_warps,
              "num_stages": config.num_stages, "query_group": config.query_group,
              "block_n": 8, "ms": ms[0] if len(ms) == 1 else ms, "shape": names}  # fmt: skip
+    if config.column_argmax:
+        entry["column_argmax"] = True
     return key.table_key(), entry
 
 
 def describe(config: LaunchConfig) -> str:
+    column = " column_argmax" if config.column_argmax else ""
     return (f"block_l={config.block_l} num_warps={config.num_warps} "
-            f"num_stages={config.num_stages} query_group={config.query_group}")  # fmt: skip
+            f"num_stages={config.num_stages} query_group={config.query_group}{column}")  # fmt: skip
 
 
 def tune_forward(shapes, family: str, quick: bool):

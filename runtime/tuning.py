@@ -32,6 +32,7 @@ class LaunchConfig:
     docs_per_program: int = 256  # docs one top-k program walks
     doc_splits: int = 1  # token ranges each doc of a streaming forward splits into
     peel_tail: bool = False  # streaming forward: a partial last doc tile after the loop
+    column_argmax: bool = False  # dense training forward: the argmax kept per tile column
     interpret: bool = False
 
 
@@ -92,5 +93,6 @@ def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
         num_stages=stages,
         block_n=entry.get("block_n", 8),
         query_group=query_group,
+        column_argmax=entry.get("column_argmax", False),
         interpret=key.family == "interpreter",
     )

@@ -3,6 +3,8 @@ gradients, on CPU under the interpreter (or compiled, with a GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import TOLERANCE, padded_variant_names, relative_error
@@ -118,6 +120,60 @@ def test_a_second_backward_of_one_forward_gives_the_same_gradients(backward):
     second = torch.autograd.grad(loss, (Qg, Dg))
     for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b) if backward == "lowmem" else relative_error(a, b) < 1e-6
+
+
+def _force_column_argmax(monkeypatch, column_argmax):
+    """Every config the runtime looks up from here on keeps (or not) its argmax by column."""
+    real = dispatch.config_for
+
+    def config_for(key, smem_bytes):
+        return dataclasses.replace(real(key, smem_bytes), column_argmax=column_argmax)
+
+    monkeypatch.setattr(dispatch, "config_for", config_for)
+    monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+
+
+COLUMN_ARGMAX_VARIANTS = [
+    n for n in TRAINING_VARIANTS if getattr(registry.load(n), "COLUMN_ARGMAX_OPTION", False)
+]
+
+
+@pytest.mark.parametrize("name", COLUMN_ARGMAX_VARIANTS)
+def test_column_argmax_gradients(monkeypatch, name):
+    # The dense training forward's argmax kept per tile column (config.column_argmax).
+    _force_column_argmax(monkeypatch, True)
+    variant = Variant.parse(name)
+    dtype = TORCH_DTYPE[variant.dtype.value]
+    inputs = _inputs("dense", dtype, 3, 4, 5, 83, 24, hash(name) % 2**31, variant.mask.has_q,
+                     False)  # fmt: skip
+    out, gq, gd = _run("dense", *inputs, variant.normalize, variant.backward.value)
+    ref, rq, rd = _reference("dense", *inputs, variant.normalize)
+    assert any(c.column_argmax for c in dispatch._call_configs.values())
+    assert relative_error(out, ref) < (1e-5 if INTERPRETER else TOLERANCE[dtype])
+    tolerance = _gradient_tolerance(dtype)
+    assert relative_error(gq, rq) < tolerance, f"grad_Q error {relative_error(gq, rq):.3g}"
+    assert relative_error(gd, rd) < tolerance, f"grad_D error {relative_error(gd, rd):.3g}"
+
+
+@pytest.mark.parametrize("column_argmax", [False, True])
+@pytest.mark.parametrize("Ld", [64, 87])  # whole 32-token tiles only, then a partial one
+def test_the_earliest_tied_doc_token_wins(monkeypatch, column_argmax, Ld):
+    # Doc token 5 ties token 37 (its column, the next tile), token 40 (another column)
+    # and, at Ld 87, token 70 (the partial tile): only token 5 may take a gradient. Small
+    # integers make every similarity with doc 0's token 5 exact, whatever the dot's order.
+    _force_column_argmax(monkeypatch, column_argmax)
+    Q, D, q_mask, d_mask, weights = _inputs("dense", torch.float32, 3, 4, 5, Ld, 16, 6, True,
+                                            False)  # fmt: skip
+    D[0, 5] = torch.tensor([2.0, -1, 0, 1, -2, 2, 1, 1, -1, 0, 2, -2, 1, 0, -1, 2])
+    ties = [37, 40] + ([70] if Ld > 70 else [])
+    D[:, ties] = D[:, 5:6]
+    Q[:, :, :] = D[0, 5]
+    out, gq, gd = _run("dense", Q, D, q_mask, d_mask, weights, False, "lowmem")
+    ref, rq, _ = _reference("dense", Q, D, q_mask, d_mask, weights, False)
+    assert relative_error(out, ref) < 1e-5
+    assert relative_error(gq, rq) < _gradient_tolerance(torch.float32)
+    assert torch.all(gd[0, ties] == 0) and torch.any(gd[0, 5] != 0), "tie: the earliest wins"
 
 
 def test_lowmem_is_bitwise_deterministic():

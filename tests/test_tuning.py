@@ -193,3 +193,4 @@ def test_thin_query_tiles_also_sweep_fewer_warps():
     assert warps(inbatch, 1) == {1, 2, 4, 8} and warps(inbatch, 2, 4, 8) == {4, 8}
     assert warps(key(("colpali-rerank", 1, 1000, 128, 1024, 128))) == {4, 8}
     assert warps(tune.train_keys(tune.TRAIN_SHAPES[0], "hopper")[1]) == {4, 8}
+

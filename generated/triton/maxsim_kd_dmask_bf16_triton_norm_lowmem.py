@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 88f9244dc493ba7d02f8f36c74cbac6e3ade3c0afdca5a1347cbeb04e6948d94
+# body-sha256: 15fb61292fb642adfbd58946b65d8cf8978c76b522574cf4d4a3441ef56e363b
 
 """MaxSim training (lowmem backward) for maxsim_kd_dmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -20,6 +20,7 @@ NORMALIZE = True
 BACKWARD = "lowmem"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
+COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 
 
 @triton.jit

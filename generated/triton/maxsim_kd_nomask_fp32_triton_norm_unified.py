@@ -2,7 +2,7 @@
 # variant: maxsim_kd_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2111f4962679041277e1dc641a8fb951060fb4716ab87aa6b4047bc9e871c47c
+# body-sha256: 26b713dbbddcc7e46edb710687e5b3d1925e3ca86e5572de5c9e66c74cf69bff
 
 """MaxSim training (unified backward) for maxsim_kd_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -20,6 +20,7 @@ NORMALIZE = True
 BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
+COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 
 
 @triton.jit

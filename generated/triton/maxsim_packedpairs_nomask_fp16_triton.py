@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 961ee84a7f8164e64eecfa071fa7fac4f1bc3c22c5e7848783f720d2f248484c
+# body-sha256: 9b7449764d77ee34be6475f662bfae26fc6762bd1a4b1dc9917d7db2b9b7dec0
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -20,6 +20,7 @@ NORMALIZE = False
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
+COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 
 
 @triton.jit

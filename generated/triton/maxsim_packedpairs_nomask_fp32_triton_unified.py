@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7084856826866b45d9f4221d910d1d8c307e9826c8311e6b430132266f01fada
+# body-sha256: f39b972096d2d9b94a1ece30d35c5bafdf5656846ee1a2d1e8d018f6371cecfa
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -20,6 +20,7 @@ NORMALIZE = False
 BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
+COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: facf2c4f172acc0d668ec2a164b08e5f91e423957cacc86368a5baee347769ed
+# body-sha256: c6e20a99fa57ace218b5a654eeda3f0d442ef8d2891ebe20c982a88551723517
 
 """MaxSim forward for maxsim_pairs_dmask_fp16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -20,6 +20,7 @@ NORMALIZE = False
 BACKWARD = "none"
 SCORE = "topk_mean"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
+COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 
 
 @triton.jit

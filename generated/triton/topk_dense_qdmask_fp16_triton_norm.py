@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 63da9e0048d864ac1d6bb9f04eec8cdb650afde9e8e5a4c229b5565b407c36b5
+# body-sha256: 3f84d93306ac1bcad6740834a61a778d82cd258b38f9b32722575813a8cd7ec3
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -20,6 +20,7 @@ NORMALIZE = True
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
+COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 
 
 @triton.jit
