@@ -275,6 +275,8 @@ def shapes_by_key(shapes, family: str) -> dict[str, list]:
 
 
 def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
         return f'"{value}"'
     if isinstance(value, list):

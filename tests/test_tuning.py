@@ -194,3 +194,10 @@ def test_thin_query_tiles_also_sweep_fewer_warps():
     assert warps(key(("colpali-rerank", 1, 1000, 128, 1024, 128))) == {4, 8}
     assert warps(tune.train_keys(tune.TRAIN_SHAPES[0], "hopper")[1]) == {4, 8}
 
+def test_a_written_table_reads_back_as_written(tmp_path):
+    import tomllib
+
+    entries = {"v|128|32|l|q8": {"block_l": 32, "num_warps": 8, "query_group": 2,
+                                 "ms": [0.07, 0.4], "shape": "a, b", "column_argmax": True}}  # fmt: skip
+    tune.write_table(tmp_path / "hopper.toml", "hopper", entries, "a GPU")
+    assert tomllib.loads((tmp_path / "hopper.toml").read_text())["configs"] == entries
