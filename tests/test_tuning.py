@@ -197,7 +197,8 @@ def test_thin_query_tiles_also_sweep_fewer_warps():
 def test_a_written_table_reads_back_as_written(tmp_path):
     import tomllib
 
-    entries = {"v|128|32|l|q8": {"block_l": 32, "num_warps": 8, "query_group": 2,
-                                 "ms": [0.07, 0.4], "shape": "a, b", "column_argmax": True}}  # fmt: skip
+    entry = {"block_l": 32, "num_warps": 8, "query_group": 2, "ms": [0.07, 0.4],
+             "shape": "a, b", "column_argmax": True}  # fmt: skip
+    entries = {"v|128|32|l|q8": entry}
     tune.write_table(tmp_path / "hopper.toml", "hopper", entries, "a GPU")
     assert tomllib.loads((tmp_path / "hopper.toml").read_text())["configs"] == entries
