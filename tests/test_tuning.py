@@ -194,6 +194,7 @@ def test_thin_query_tiles_also_sweep_fewer_warps():
     assert warps(key(("colpali-rerank", 1, 1000, 128, 1024, 128))) == {4, 8}
     assert warps(tune.train_keys(tune.TRAIN_SHAPES[0], "hopper")[1]) == {4, 8}
 
+
 def test_a_written_table_reads_back_as_written(tmp_path):
     import tomllib
 
