@@ -1,6 +1,10 @@
-"""Shared test tools: the float64 comparison, tolerances, poisoned outputs, random inputs."""
+"""Shared test tools: the float64 comparison, tolerances, poisoned outputs, random inputs,
+and the @triton.jit functions of a generated source."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import torch
 
@@ -65,3 +69,12 @@ def padded_variant_names(names):
         and any(layout in n for layout in PADDED_LAYOUTS)
         and not any(token in n for token in OWN_TEST_TOKENS)
     ]
+
+
+def jit_functions(path: Path):
+    """The @triton.jit functions (ast.FunctionDef) of a Python source file."""
+    for node in ast.parse(Path(path).read_text()).body:
+        if isinstance(node, ast.FunctionDef) and any(
+            ast.unparse(d).startswith("triton.jit") for d in node.decorator_list
+        ):
+            yield node

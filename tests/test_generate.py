@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import jit_functions
 
 from lik_gen.cli import main
 from lik_gen.render import render_all
@@ -167,17 +168,16 @@ def test_every_kernel_argument_is_used():
 
     fixed_signature = {"_score_init", "_score_update", "_score_finish", "_score_grad"}
 
+    checked = 0
     for path in sorted((ROOT / "generated" / "triton").glob("maxsim_*.py")):
-        for node in ast.parse(path.read_text()).body:
-            if not isinstance(node, ast.FunctionDef) or not any(
-                "triton.jit" in ast.unparse(d) for d in node.decorator_list
-            ):
-                continue
+        for node in jit_functions(path):
             if node.name in fixed_signature:
                 continue
             names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             unused = [a.arg for a in node.args.args if a.arg not in names]
             assert not unused, f"{path.name}: {node.name} never reads {unused}"
+            checked += 1
+    assert checked >= 1000
 
 
 def test_every_launched_kernel_goes_through_the_launch_cache():
@@ -195,13 +195,8 @@ def test_every_launched_kernel_goes_through_the_launch_cache():
             and isinstance(node.func, ast.Subscript)
             and isinstance(node.func.value, ast.Name)
         }
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef):
-                continue
-            decorators = [ast.unparse(d) for d in node.decorator_list]
-            if not any(d.startswith("triton.jit") for d in decorators):
-                continue
-            wrapped = decorators[0] == "cached_launch"
+        for node in jit_functions(path):
+            wrapped = ast.unparse(node.decorator_list[0]) == "cached_launch"
             assert wrapped == (node.name in launched), f"{path.name}: {node.name}"
             launched_total += wrapped
     assert launched_total >= 1000

@@ -18,6 +18,7 @@ from helpers import (
     INTERPRETER_FP32_TOLERANCE,
     TOLERANCE,
     assert_close_to_reference,
+    jit_functions,
     poisoned,
     relative_error,
 )
@@ -404,13 +405,8 @@ def test_every_head_kernel_argument_is_used_and_program_ids_are_int64():
     """No placeholder arguments (each parameter of every @triton.jit function appears in
     its body), and 64-bit program ids: H offsets pass 2**31 elements on large batches."""
     for path in HEAD_SOURCES:
-        tree = ast.parse(path.read_text())
         kernels = 0
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef):
-                continue
-            if not any("triton.jit" in ast.unparse(d) for d in node.decorator_list):
-                continue
+        for node in jit_functions(path):
             used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
             unused = [a.arg for a in node.args.args if a.arg not in used]
             assert not unused, f"{path.name}: {node.name} never reads {unused}"

@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import INTERPRETER_FP32_TOLERANCE, TOLERANCE, relative_error
+from helpers import INTERPRETER_FP32_TOLERANCE, TOLERANCE, jit_functions, relative_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lik.runtime import dispatch, maxsim, maxsim_pairs, registry
@@ -336,14 +336,6 @@ def _parsed(path):
     return ast.parse(path.read_text())
 
 
-def _jit_functions(path):
-    for node in ast.walk(_parsed(path)):
-        if isinstance(node, ast.FunctionDef) and any(
-            ast.unparse(d).startswith("triton.jit") for d in node.decorator_list
-        ):
-            yield node
-
-
 def _is_int64_cast(node):
     """`x.to(tl.int64)` or `tl.cast(x, tl.int64)`."""
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
@@ -430,7 +422,7 @@ def _narrow_stride_products():
     multiplies a stride while neither int64 nor a small offset."""
     found = collections.defaultdict(list)
     for path in GENERATED:
-        for fn in _jit_functions(path):
+        for fn in jit_functions(path):
             widths = _widths(fn)
             for node in ast.walk(fn):
                 if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
@@ -450,7 +442,7 @@ KNOWN_INT32_ROW_OFFSETS: set[tuple[str, str, str]] = set()
 
 def test_generated_sources_were_found():
     assert len(GENERATED_ALL) >= 100 and len(GENERATED) >= len(GENERATED_ALL) // 3
-    assert any(fn.name.endswith("_kernel") for fn in _jit_functions(GENERATED[0]))
+    assert any(fn.name.endswith("_kernel") for fn in jit_functions(GENERATED[0]))
 
 
 def test_every_program_id_is_cast_to_int64():
@@ -468,7 +460,7 @@ def test_every_program_id_is_cast_to_int64():
 def test_argmax_indices_are_int64_before_they_multiply_a_stride():
     checked = 0
     for path in GENERATED:
-        for fn in _jit_functions(path):
+        for fn in jit_functions(path):
             widths = _widths(fn)
             loaded = {
                 node.targets[0].id
