@@ -434,17 +434,22 @@ def has_even_tiles(variant: Variant) -> bool:
     return variant.layout in _EVEN_TILE_LAYOUTS and not variant.mask.has_d
 
 
-def peels_tail(variant: Variant) -> bool:
-    """Whether the forward may score a doc's partial last tile after its whole ones, in a
-    tile of TAIL_L tokens: streamed dense inference (where dispatch chooses per call),
-    and the dense training forward with the argmax saved, whose docs all hold Ld tokens."""
-    trains_dense = (
+def trains_dense(variant: Variant) -> bool:
+    """The dense training forward with the argmax saved, whose docs all hold Ld tokens: it
+    peels its partial last tile, and may keep its argmax per tile column (COLUMN_ARGMAX)."""
+    return (
         variant.layout is Layout.DENSE
         and has_even_tiles(variant)
         and variant.backward is not Backward.NONE
         and variant.score is Score.MAX
     )
-    return streams_docs(variant) or trains_dense
+
+
+def peels_tail(variant: Variant) -> bool:
+    """Whether the forward may score a doc's partial last tile after its whole ones, in a
+    tile of TAIL_L tokens: streamed dense inference (where dispatch chooses per call),
+    and the dense training forward."""
+    return streams_docs(variant) or trains_dense(variant)
 
 
 def _formulas(variant: Variant) -> tuple[Formula, ...]:
@@ -661,7 +666,7 @@ def plan(variant: Variant):
         doc_stream=streams_docs(variant),
         even_tiles=has_even_tiles(variant),
         peels_tail=peels_tail(variant),
-        column_argmax=peels_tail(variant) and backward is not Backward.NONE and not hooked,
+        column_argmax=trains_dense(variant),
         routed_grad_d=routed,
         routed_g_scale=routed and variant.dtype is DType.FP16,
         bwd_route_args=args["bwd_route"] if routed else (),
