@@ -4,13 +4,21 @@ A fresh process with a warm Triton cache spent ~0.5 s of host time in its first 
 launch (H200 host, Triton 3.6, profiled): 0.37 s in triton.runtime.cache.triton_key,
 which hashes Triton's own sources and its ~400 MB shared library to key the cache, and
 0.1 s importing modules Triton loads on first launch; of a 54 ms first call that came
-after that work (H100 host), 11 ms ran `file` for a platform key. None of it touches
-the GPU, so a daemon thread started when lik is imported does it all; the hashing
-releases the GIL, so the caller's own start-up (loading a model, building inputs) goes
-on beside it, and its first call then finds the work done instead of doing it. A first
-kernel load that comes while the thread still runs waits for it rather than redoing its
-work beside it, and so does a fork (a child must not inherit an import half done by a
-thread it does not have).
+after that work (H100 host), 11 ms ran `file` for a platform key; 5 ms ran `ptxas
+--version` for the backend's part of the key and 4 ms read the tuning table (H200). Only
+that ptxas lookup needs CUDA started, which the caller's setup does while Triton imports,
+so a daemon thread started when lik is imported does it all; the hashing releases the
+GIL, so the caller's own start-up (loading a model, building inputs) goes on beside it,
+and its first call then finds the work done instead of doing it. A first kernel load
+that comes while the thread still runs waits for it rather than redoing its work beside
+it, and so does a fork (a child must not inherit an import half done by a thread it does
+not have).
+
+Triton's cache key is also remembered across processes (`remembered_triton_key`): in a
+fresh process the thread, which otherwise spent 0.31-0.37 s of its ~0.9 s hashing, reads
+the key a previous process saved and hands it to Triton (the way Triton hands it to its
+own worker processes) whenever the files Triton hashes are unchanged (same paths, sizes
+and modification times); otherwise it hashes them as Triton would and saves the key.
 
 It runs where a kernel launch can follow: Triton installed and torch built for CUDA or
 ROCm. LIK_PREWARM=0 turns it off; LIK_PREWARM=1 forces it (e.g. on a CPU build).
@@ -18,8 +26,10 @@ ROCm. LIK_PREWARM=0 turns it off; LIK_PREWARM=1 forces it (e.g. on a CPU build).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import sysconfig
 import threading
 
 import torch
@@ -40,20 +50,86 @@ _thread: threading.Thread | None = None
 
 
 def warm() -> None:
-    """Imports Triton and computes its cache key: the first launch's host-only work (and
-    reads the variant manifest, the first kernel load's)."""
+    """Imports Triton, keys its cache and does the first launch's lookups (and reads the
+    variant manifest and the tuning tables, the first kernel load's)."""
     import triton  # noqa: F401
-    from triton.runtime.cache import triton_key
 
-    from lik.runtime import registry
+    from lik.runtime import registry, tuning
 
     registry.manifest()
-    triton_key()  # lru-cached for the process: the first launch reuses it
+    tuning.load_tables()
+    remembered_triton_key()  # kept for the process: the first launch reuses it
     try:  # loaded by Triton 3.6's argument specialization on the first launch
         import triton.experimental.gluon  # noqa: F401
     except ImportError:
         pass
     _host_lookups()
+    _backend_lookups()
+
+
+KEY_FOLDER = "lik_triton_key"  # inside Triton's cache folder, beside the kernels it keys
+
+
+def remembered_triton_key() -> str:
+    """Triton's cache key for this process (triton.runtime.cache.triton_key: a digest of
+    Triton's sources and its shared library), read from the cache folder when a previous
+    process saved it for the same files, else computed by Triton and saved there. A read
+    key replaces triton_key in its module, where Triton's compile path looks it up."""
+    import triton.runtime.cache as triton_cache
+
+    try:
+        saved = os.path.join(_key_folder(), _files_fingerprint(triton_cache.__file__) + ".txt")
+    except (AttributeError, OSError):  # a Triton without knobs, or files that moved
+        return triton_cache.triton_key()
+    try:
+        with open(saved, encoding="utf-8") as file:
+            key = file.read()
+    except OSError:
+        key = ""
+    if not key:
+        key = triton_cache.triton_key()
+        _write_atomically(saved, key)
+    else:
+        triton_cache.triton_key = lambda: key
+    return key
+
+
+def _key_folder() -> str:
+    from triton import knobs
+
+    return os.path.join(knobs.cache.dir, KEY_FOLDER)
+
+
+def _files_fingerprint(cache_module: str) -> str:
+    """A digest of the path, size and modification time of every file triton_key reads
+    (its own module, the compiler, backend and language packages, libtriton) plus
+    Triton's version: any reinstall or edit of those files changes it."""
+    import triton
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cache_module)))
+    extension = sysconfig.get_config_var("EXT_SUFFIX").split(".")[-1]
+    files = [os.path.abspath(cache_module), os.path.join(root, "_C", f"libtriton.{extension}")]
+    for package in ("compiler", "backends", "language"):
+        for folder, subfolders, names in os.walk(os.path.join(root, package)):
+            subfolders.sort()
+            files += [os.path.join(folder, n) for n in sorted(names) if n.endswith((".py", ".so"))]
+    digest = hashlib.sha256(triton.__version__.encode())
+    for path in files:
+        stat = os.stat(path)
+        digest.update(f"\n{path} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Writes beside the target, then renames: a process reading it sees all or none."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(partial, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(partial, path)
+    except OSError:  # a read-only cache folder: the next process hashes again
+        pass
 
 
 def _host_lookups() -> None:
@@ -74,6 +150,22 @@ def _host_lookups() -> None:
             libcuda_dirs()
         except (ImportError, AttributeError):
             pass
+
+
+def _backend_lookups() -> None:
+    """The first compile's lookups that need the GPU: its target and the ptxas version
+    that keys Triton's cache (a subprocess, cached for the process). Done only once the
+    caller has started CUDA (building inputs usually does, while this thread imports
+    Triton), since starting it here would keep the process from forking."""
+    if torch.version.cuda is None or not torch.cuda.is_initialized():
+        return
+    try:
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+
+        make_backend(driver.active.get_current_target()).hash()
+    except (ImportError, AttributeError):
+        pass
 
 
 def _warm_quietly() -> None:

@@ -45,6 +45,13 @@ def load_table(family: str) -> dict[str, dict[str, int]]:
     return tomllib.loads(resource.read_text()).get("configs", {})
 
 
+def load_tables() -> None:
+    """Reads every committed table ahead of the first call (lik.runtime.prewarm)."""
+    for resource in (importlib.resources.files("lik.runtime") / "tuning").iterdir():
+        if resource.name.endswith(".toml"):
+            load_table(resource.name.removesuffix(".toml"))
+
+
 # Rows of a stacked query tile: 128 fills a Hopper tensor-core tile (wgmma M = 64 per
 # warpgroup, two warpgroups); one 32-token query alone leaves it three-quarters empty.
 STACKED_ROWS = 128

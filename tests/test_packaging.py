@@ -47,21 +47,75 @@ def test_import_without_prewarm_does_not_load_triton(tmp_path):
 
 
 def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_path):
+    # Two fresh processes on one Triton cache folder: the first hashes Triton's files for
+    # its cache key and saves it, the second reads the saved key instead of hashing.
     code = (
-        "import threading, lik\n"
+        "import sys, threading, lik\n"
         "(thread,) = [t for t in threading.enumerate() if t.name == 'lik-prewarm']\n"
         "assert thread.daemon\n"
         "lik.runtime.prewarm.wait()  # what the first kernel load does\n"
         "assert not thread.is_alive()\n"
-        "from triton.runtime.cache import triton_key\n"
-        "assert triton_key.cache_info().currsize == 1, 'the warm-up did not key the cache'\n"
+        "import triton.runtime.cache as triton_cache\n"
         "from triton.runtime.build import platform_key\n"
         "assert platform_key.cache_info().currsize == 1, 'no platform key'\n"
         "import torch\n"
         "assert torch.cuda.is_initialized() is False, 'the warm-up must not start CUDA'\n"
+        "assert lik.runtime.tuning.load_table.cache_info().currsize >= 1, 'no table read'\n"
+        "hashed = hasattr(triton_cache.triton_key, 'cache_info')\n"
+        "if hashed:\n"
+        "    assert triton_cache.triton_key.cache_info().currsize == 1, 'no cache key'\n"
+        "print('hashed' if hashed else 'read', triton_cache.triton_key())\n"
     )
-    proc = _run([sys.executable, "-c", code], cwd=tmp_path, extra_env={"LIK_PREWARM": "1"})
+    env = {"LIK_PREWARM": "1", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    first, second = (_run([sys.executable, "-c", code], cwd=tmp_path, extra_env=env) for _ in "12")
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    how_first, key_first = first.stdout.split(" ", 1)
+    how_second, key_second = second.stdout.split(" ", 1)
+    assert (how_first, how_second) == ("hashed", "read")
+    assert key_second == key_first and len(key_first) > 1000
+
+
+@pytest.mark.gpu
+def test_prewarm_looks_up_the_compile_backend_once_cuda_is_up(tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code = (
+        "import torch\n"
+        "torch.cuda.init()  # the caller's own setup started CUDA before the thread looked\n"
+        "import lik\n"
+        "lik.runtime.prewarm.wait()\n"
+        "from triton.backends.nvidia.compiler import get_ptxas_version\n"
+        "assert get_ptxas_version.cache_info().currsize == 1, 'ptxas version not looked up'\n"
+    )
+    env = {"LIK_PREWARM": "1", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = _run([sys.executable, "-c", code], cwd=tmp_path, extra_env=env)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_saved_triton_key_is_dropped_when_a_file_it_covers_changes(tmp_path):
+    from lik.runtime.prewarm import _files_fingerprint
+
+    extension = sysconfig.get_config_var("EXT_SUFFIX").split(".")[-1]
+    files = ["runtime/cache.py", f"_C/libtriton.{extension}", "compiler/code_generator.py",
+             "backends/nvidia/driver.py", "language/core.py"]  # fmt: skip
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    cache_module = str(tmp_path / "runtime" / "cache.py")
+    before = _files_fingerprint(cache_module)
+    assert _files_fingerprint(cache_module) == before
+    for name in files:
+        path = tmp_path / name
+        stat = path.stat()
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # an edit in place
+        assert _files_fingerprint(cache_module) != before, name
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert _files_fingerprint(cache_module) == before
+    (tmp_path / "language" / "new_module.py").write_text("")  # a module added
+    assert _files_fingerprint(cache_module) != before
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
