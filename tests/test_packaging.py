@@ -90,7 +90,11 @@ def test_prewarm_looks_up_the_compile_backend_once_cuda_is_up(tmp_path):
         "from triton.backends.nvidia.compiler import get_ptxas_version\n"
         "assert get_ptxas_version.cache_info().currsize == 1, 'ptxas version not looked up'\n"
     )
-    env = {"LIK_PREWARM": "1", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    env = {
+        "LIK_PREWARM": "1",
+        "TRITON_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+    }  # a GPU copy may import from it
     proc = _run([sys.executable, "-c", code], cwd=tmp_path, extra_env=env)
     assert proc.returncode == 0, proc.stderr
 
