@@ -50,7 +50,7 @@ def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_pa
     # Two fresh processes on one Triton cache folder: the first hashes Triton's files for
     # its cache key and saves it, the second reads the saved key instead of hashing.
     code = (
-        "import sys, threading, lik\n"
+        "import threading, lik\n"
         "(thread,) = [t for t in threading.enumerate() if t.name == 'lik-prewarm']\n"
         "assert thread.daemon\n"
         "lik.runtime.prewarm.wait()  # what the first kernel load does\n"
