@@ -284,14 +284,14 @@ def _toml_value(value) -> str:
     return str(value)
 
 
-def write_table(path: Path, family: str, entries: dict[str, dict], device_name: str) -> None:
+def write_table(path: Path, family: str, entries: dict[str, dict]) -> None:
     lines = [
-        f"# Launch configs for the {family} GPU family, written by `make tune` on {device_name}.",
+        f"# Launch configs for the {family} GPU family, written by `make tune`.",
         '# Keys: "variant|padded head dim|Lq bucket|size class|q<query bucket>", then "|bwd" '
         "for a",
         "# training variant's backward kernels (lik.runtime.keys.KernelKey).",
         "# Keys absent here use lik.runtime.tuning.default_config. ms is the tuned median",
-        "# (one per shape, in order, where shapes share a key).",
+        "# (one per shape, in order, where shapes share a key) on the entry's card.",
         "[configs]",
     ]
     for key in sorted(entries):
@@ -316,12 +316,13 @@ def main(argv=None) -> int:
     train_shapes = [s for s in TRAIN_SHAPES if not wanted or s[0] in wanted]
     results = itertools.chain(tune_forward(shapes, family, args.quick),
                               tune_training(train_shapes, family, args.quick))  # fmt: skip
+    card = torch.cuda.get_device_name()  # per entry: a rerun for some shapes keeps the rest
     for result in results:
         if result:
-            entries[result[0]] = result[1]
+            entries[result[0]] = {**result[1], "card": card}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{family}.toml"
-    write_table(path, family, entries, torch.cuda.get_device_name())
+    write_table(path, family, entries)
     print(f"wrote {path} ({len(entries)} entries)")
     return 0
 

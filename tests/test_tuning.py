@@ -17,6 +17,13 @@ def test_benchmark_shapes_resolve_to_hopper_entries(shape):
     assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
 
 
+def test_every_committed_entry_names_the_card_it_was_tuned_on():
+    from lik.runtime.tuning import load_table
+
+    cards = {key: entry.get("card", "") for key, entry in load_table("hopper").items()}
+    assert cards and all(card.startswith("NVIDIA H") for card in cards.values()), cards
+
+
 @pytest.mark.parametrize("shape", tune.TRAIN_SHAPES, ids=[s[0] for s in tune.TRAIN_SHAPES])
 def test_training_shapes_resolve_forward_and_backward_hopper_entries(shape):
     forward, backward = tune.train_keys(shape, "hopper")
@@ -199,7 +206,7 @@ def test_a_written_table_reads_back_as_written(tmp_path):
     import tomllib
 
     entry = {"block_l": 32, "num_warps": 8, "query_group": 2, "ms": [0.07, 0.4],
-             "shape": "a, b", "column_argmax": True}  # fmt: skip
+             "shape": "a, b", "column_argmax": True, "card": "a GPU"}  # fmt: skip
     entries = {"v|128|32|l|q8": entry}
-    tune.write_table(tmp_path / "hopper.toml", "hopper", entries, "a GPU")
+    tune.write_table(tmp_path / "hopper.toml", "hopper", entries)
     assert tomllib.loads((tmp_path / "hopper.toml").read_text())["configs"] == entries
