@@ -10,6 +10,7 @@ import importlib.metadata
 import itertools
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -285,7 +286,11 @@ def _git(*args: str) -> str:
 
 
 def git_commit() -> str | None:
-    """The checked-out commit (with '+dirty' for local changes), when git can tell."""
+    """The checked-out commit (with '+dirty' for local changes), when git can tell, or
+    LIK_COMMIT when set: a copy of the tree made without its current git metadata (a GPU
+    machine's) names the commit it was copied from that way."""
+    if os.environ.get("LIK_COMMIT"):
+        return os.environ["LIK_COMMIT"]
     try:
         commit = _git("rev-parse", "--short", "HEAD")
         return commit + ("+dirty" if _git("status", "--porcelain") else "")

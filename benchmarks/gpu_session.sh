@@ -8,7 +8,8 @@
 # BENCH_ARGS / TRAIN_ARGS (extra flags, e.g. "--quick --shapes longdoc"), SKIP_FORWARD,
 # SKIP_TRAIN, RUN_TUNE (sweep configs first and use them), RUN_RAGGED / RUN_RETRIEVE /
 # RUN_VARIANTS / RUN_FP8 / RUN_PLAID / RUN_HEAD / RUN_COLD_START / RUN_HOST (bench_<name>.py),
-# TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR.
+# TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR, LIK_COMMIT
+# (the commit results name, where the copy of the tree has no current git metadata).
 # A failing step is logged and the next one still runs.
 set -uo pipefail
 
