@@ -11,7 +11,7 @@ under 50 ms.
 
 A training child also runs a small sum and its backward during setup, standing in for
 its model's own first step: otherwise torch's loading of its own reduction and autograd
-kernels (23 ms on an H200 host, profiled) would count as lik's.
+kernels (23 ms on an H200 host, results/cold_start_phases_H200.md) would count as lik's.
 
 The children share one Python bytecode cache (PYTHONPYCACHEPREFIX, filled by the first
 child), as an installed environment has one: pip compiles bytecode when it installs, and
