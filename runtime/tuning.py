@@ -37,8 +37,9 @@ class LaunchConfig:
 
 
 @functools.cache
-def load_table(family: str) -> dict[str, dict[str, int]]:
-    """The committed table for a family ({} if none): table_key -> config fields."""
+def load_table(family: str) -> dict[str, dict]:
+    """The committed table for a family ({} if none): table_key -> config fields (plus
+    the ms, shape and card it was tuned with)."""
     resource = importlib.resources.files("lik.runtime") / "tuning" / f"{family}.toml"
     if not resource.is_file():
         return {}
