@@ -207,7 +207,7 @@ def measure_implementation(key: str, input_sets, reference, indices, floor_ms, a
 
 def time_doc_read(input_sets, args) -> tuple[float | None, str | None]:
     """(ms, how) of the fastest read of the docs alone (benchmarks/read_ceiling.py: a
-    sweep of streaming kernels and PyTorch's sum, the winner re-timed like the
+    sweep of read kernels and PyTorch's sum, the winner re-timed like the
     implementations): what a memory-bound MaxSim cannot beat at this size."""
     if args.dry_run:
         return None, None
@@ -384,7 +384,7 @@ def markdown_report(report: dict) -> str:
         f"Median ms ({timing['timer']}, warm-up {timing['warmup_ms']} ms, "
         f"rep {timing['rep_ms']} ms); L2-normalized random bf16 inputs, rotated "
         "when they fit in L2. Speedup = baseline ms / lik ms. \"read D once\": the "
-        "fastest of PyTorch's sum and a sweep of streaming read kernels over the same "
+        "fastest of PyTorch's sum and a sweep of read kernels over the same "
         "docs (benchmarks/read_ceiling.py), timed the same way: what a memory-bound "
         "MaxSim cannot beat at this size; \"lik % read\" is its time over lik's, for the "
         "memory-bound shapes.",

@@ -3,9 +3,12 @@
 A MaxSim whose docs come from memory must read them at least once. How fast a kernel
 can do only that, at the docs' size, bounds every implementation more tightly than the
 copy rate of a 1 GiB buffer: a read of tens of MB pays launch and ramp-up time that a
-large copy amortizes. The kernel below streams the tensor through a persistent grid and
-sums it (so no load is dead code); the fastest of a small sweep of grid size, block and
-pipeline depth is the ceiling, with PyTorch's own sum competing beside it.
+large copy amortizes. Two kernels sum the tensor (so no load is dead code): one streams
+it through a persistent grid, the other gives each program one block (a grid as long as
+the tensor needs: every block's loads are issued at once). The fastest of a small sweep
+of grid size, block, pipeline depth and warps is the ceiling, with PyTorch's own sum
+competing beside it. Reads through TMA descriptors were measured too and lost to both
+(benchmarks/results/read_tma_H100.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-# (programs per SM, elements per block, stages, warps) swept.
+# (programs per SM, elements per block, stages, warps) swept; the one-block-per-program
+# kernel sweeps blocks and warps.
 PROGRAMS_PER_SM = (2, 4, 8)
 BLOCK_ELEMENTS = (4096, 8192)
 STAGES = (3, 4)
@@ -30,16 +34,24 @@ def _stream_sum(X, Partial, n, BLOCK: tl.constexpr):
     programs = tl.num_programs(0)
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(pid * BLOCK, n, programs * BLOCK):
-        offs = start.to(tl.int64) + tl.arange(0, BLOCK)
+        offs = tl.cast(start, tl.int64) + tl.arange(0, BLOCK)
         total += tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(Partial + pid, tl.sum(total))
 
 
+@triton.jit
+def _block_sum(X, Partial, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.cast(pid, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Partial + pid, tl.sum(tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)))
+
+
 def readers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """Ways to read x once, by name: PyTorch's sum and each swept streaming kernel."""
+    """Ways to read x once, by name: PyTorch's sum and each swept kernel."""
     flat = x.reshape(-1)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    partial = torch.empty(sms * max(PROGRAMS_PER_SM), device=x.device)
+    blocks = {block: triton.cdiv(flat.numel(), block) for block in BLOCK_ELEMENTS}
+    partial = torch.empty(max(sms * max(PROGRAMS_PER_SM), *blocks.values()), device=x.device)
     calls = {"torch.sum": lambda: flat.sum(dtype=torch.float32)}
     for per_sm, block, stages, warps in itertools.product(
         PROGRAMS_PER_SM, BLOCK_ELEMENTS, STAGES, WARPS
@@ -48,6 +60,12 @@ def readers(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         calls[f"stream {per_sm}/SM block {block} stages {stages} warps {warps}"] = (
             lambda grid=grid, block=block, stages=stages, warps=warps: _stream_sum[grid](
                 flat, partial, flat.numel(), BLOCK=block, num_stages=stages, num_warps=warps
+            )
+        )
+    for (block, programs), warps in itertools.product(blocks.items(), WARPS):
+        calls[f"blocks of {block} warps {warps}"] = (
+            lambda programs=programs, block=block, warps=warps: _block_sum[(programs,)](
+                flat, partial, flat.numel(), BLOCK=block, num_warps=warps
             )
         )
     return calls
