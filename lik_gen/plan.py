@@ -163,6 +163,35 @@ class RenderContext:
     bwd_route_args: tuple[KernelArg, ...] = ()
     bwd_route_dynamic: tuple[str, ...] = ()
 
+    @property
+    def fwd_options(self) -> tuple[str, ...]:
+        """The forward launch's constexpr and launch options ("NAME=expr"), one per feature
+        the kernel has. Derived from the final context, after any planner (PLAID, fp8)
+        has replaced fields."""
+        options = ["BLOCK_Q=config.block_q", "BLOCK_L=config.block_l", "BLOCK_K=config.block_k",
+                   "DOT_DTYPE=dot_dtype", "INPUT_PRECISION=input_precision",
+                   "num_warps=config.num_warps", "num_stages=config.num_stages"]  # fmt: skip
+        if self.layout == "dense":
+            options.append("QUERY_GROUP=config.query_group")
+        if self.topk:
+            options.append("TOP_K=config.top_k")
+        if self.topk or self.doc_stream:
+            options.append("DOCS_PER_PROGRAM=config.docs_per_program")
+        if self.doc_stream:
+            options += ["DOC_SPLITS=splits", "PEEL_TAIL=config.peel_tail"]
+        if self.even_tiles:
+            options.append("EVEN_LD=Ld % config.block_l == 0")
+        if self.doc_stream:  # peels only when the call's config says so
+            tail = "tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l"
+            options.append(f"TAIL_L={tail}")
+        elif self.peels_tail:
+            options.append("TAIL_L=tail_tile(Ld, config.block_l)")
+        if self.scaled:
+            options.append("D_SCALE_PER_TOKEN=scale_D.stride(-1) != 0 and Ld > 1")
+        if self.column_argmax:
+            options.append("COLUMN_ARGMAX=config.column_argmax")
+        return (*options, *self.score.options)
+
 
 class PlanError(ValueError):
     pass
