@@ -15,8 +15,12 @@ normalizes them already in ColBERT-style models. For unnormalized queries, pass
 `F.normalize(Q, dim=-1)`; maxsim_from_hidden(Q, H, W, b) then equals
 `maxsim(Q, F.linear(H, W, b), normalize=True)`.
 
-Autograd reaches Q, H_d, W and b. The backward is plain PyTorch on the winning tokens
-the forward saved (an int16/int32 argmax [Nq, Nd, Lq]); see _backward for its cost.
+Autograd reaches Q, H_d, W and b. Training calls over at most
+COMPOSED_TRAINING_MAX_HIDDEN hidden-state values (in-batch training) project the docs
+with PyTorch, in fp32 as the kernel does, and score them with lik's maxsim and its
+generated backward (_composed_scores). Larger ones run the fused forward, which saves
+each query token's winning doc token (an int16/int32 argmax [Nq, Nd, Lq]), and a plain
+PyTorch backward on those winners that works in bounded chunks; see _backward.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import dataclasses
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from lik.runtime import dispatch, registry, validate
+from lik.runtime.api import maxsim
 from lik.runtime.keys import (
     MAX_HEAD_DIM,
     MIN_BLOCK,
@@ -270,6 +276,25 @@ def _backward(grad_scores, argmax, Q, H, W, b, normalize: bool, needs: tuple[boo
     )
 
 
+# Training calls over at most this many hidden-state values (Nd * Ld * d_model) take
+# _composed_scores: its fp32 copy of H_d is then at most 128 MiB, below the fused
+# backward's chunk budget (BACKWARD_CHUNK_ELEMENTS fp32 values). An in-batch step of 32 x
+# 32 docs of 300 tokens (768 -> 128) has 7.4M.
+COMPOSED_TRAINING_MAX_HIDDEN = 1 << 25
+
+
+def _composed_scores(Q, H, W, b, d_mask, normalize: bool) -> torch.Tensor:
+    """maxsim_from_hidden for training as three autograd steps: the projection in fp32
+    (exact products, fp32 sums: what the fused kernel computes before it rounds), the
+    normalization, then lik's maxsim on the docs rounded once to Q's dtype, whose
+    generated backward routes each gradient to the winning doc tokens. About half the
+    ops of the fused forward and its PyTorch backward, and no winner gathers."""
+    f32 = torch.float32
+    raw = F.linear(H.to(f32), W.to(f32), None if b is None else b.to(f32))
+    docs = F.normalize(raw, dim=-1) if normalize else raw
+    return maxsim(Q, docs.to(Q.dtype), d_mask=d_mask)
+
+
 class _MaxSimFromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, Q, H, W, b, d_mask, normalize):
@@ -329,11 +354,12 @@ def maxsim_from_hidden(
 
     Q [Nq, Lq, d] (or [Lq, d], squeezing the query axis of the result) against
     D = normalize(H_d W^T + b), H_d [Nd, Ld, d_model], W [d, d_model] (nn.Linear.weight),
-    b [d] or None -> [Nq, Nd] fp32. D is never written to memory. d_mask [Nd, Ld] bool,
-    True = valid: a masked doc token never wins, a fully masked doc scores 0 and gets
-    zero gradient. normalize L2-normalizes the projected doc tokens (Q is used as given).
-    Q, H_d, W and b share one dtype (fp32, fp16 or bf16) and device. Autograd to Q, H_d,
-    W and b.
+    b [d] or None -> [Nq, Nd] fp32. Scoring writes no D to memory; training calls over
+    up to COMPOSED_TRAINING_MAX_HIDDEN hidden-state values project D for the backward
+    (see the module docstring). d_mask [Nd, Ld] bool, True = valid: a masked doc token
+    never wins, a fully masked doc scores 0 and gets zero gradient. normalize
+    L2-normalizes the projected doc tokens (Q is used as given). Q, H_d, W and b share one
+    dtype (fp32, fp16 or bf16) and device. Autograd to Q, H_d, W and b.
     """
     Q, H_d, W, b, d_mask = _validate(Q, H_d, W, b, d_mask, normalize)
     squeeze = Q.dim() == 2
@@ -343,7 +369,10 @@ def maxsim_from_hidden(
     elif torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (Q3, H_d, W, b)
     ):
-        out = _MaxSimFromHidden.apply(Q3, H_d, W, b, d_mask, normalize)
+        if H_d.numel() <= COMPOSED_TRAINING_MAX_HIDDEN:
+            out = _composed_scores(Q3, H_d, W, b, d_mask, normalize)
+        else:
+            out = _MaxSimFromHidden.apply(Q3, H_d, W, b, d_mask, normalize)
     else:
         out = _forward(Q3, H_d, W, b, d_mask, normalize, save_argmax=False)[0]
     return out[0] if squeeze else out

@@ -240,6 +240,15 @@ def _grads(Q, H, W, b, d_mask, normalize, grad_out):
     return out, ref, grads, ref_grads
 
 
+@pytest.fixture(params=["composed", "fused"])
+def training_path(request, monkeypatch):
+    """Both training paths: small calls compose the projection with lik's maxsim; with a
+    limit of -1 every call takes the fused forward and its winner-gathering backward."""
+    if request.param == "fused":
+        monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_HIDDEN", -1)
+    return request.param
+
+
 GRAD_CASES = {  # (Nq, Lq, Nd, Ld): few winners per doc (winner rows projected) or many
     "rerank": (2, 5, 3, 37),
     "in-batch": (3, 9, 3, 11),
@@ -251,7 +260,7 @@ GRAD_CASES = {  # (Nq, Lq, Nd, Ld): few winners per doc (winner rows projected) 
 @pytest.mark.parametrize(
     "bias, mask, normalize", [(True, True, True), (False, False, False), (True, False, True)]
 )
-def test_gradients_match_float64(case, bias, mask, normalize):
+def test_gradients_match_float64(case, bias, mask, normalize, training_path):
     Nq, Lq, Nd, Ld = GRAD_CASES[case]
     Q, H, W, b, d_mask = _inputs(Nq, Lq, 24, Nd, Ld, 40, torch.float32, seed=8, bias=bias,
                                  mask=mask, grad=True)  # fmt: skip
@@ -267,7 +276,7 @@ def test_gradients_match_float64(case, bias, mask, normalize):
 
 
 @needs_kernels
-def test_fully_masked_batch_gives_zero_gradients():
+def test_fully_masked_batch_gives_zero_gradients(training_path):
     Q, H, W, b, d_mask = _inputs(2, 4, 16, 2, 9, 24, torch.float32, seed=10, mask=True, grad=True)
     d_mask[:] = False
     out = maxsim_from_hidden(Q, H, W, b, d_mask)
@@ -277,7 +286,26 @@ def test_fully_masked_batch_gives_zero_gradients():
 
 
 @needs_kernels
-def test_gradient_to_some_inputs_only_and_half_precision_dtypes():
+def test_training_calls_pick_their_path_by_hidden_state_count(monkeypatch):
+    """Small training calls run lik's maxsim on the projected docs; larger ones, and every
+    call without gradients, the fused kernel (which never writes D)."""
+    fused, composed = [], []
+    forward, score = head._forward, head.maxsim
+    monkeypatch.setattr(head, "_forward", lambda *a, **k: fused.append(1) or forward(*a, **k))
+    monkeypatch.setattr(head, "maxsim", lambda *a, **k: composed.append(1) or score(*a, **k))
+    Q, H, W, b, _ = _inputs(2, 4, 16, 3, 9, 24, torch.float32, seed=14, grad=True)
+    maxsim_from_hidden(Q, H, W, b)
+    assert (len(composed), len(fused)) == (1, 0)
+    monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_HIDDEN", H.numel() - 1)
+    maxsim_from_hidden(Q, H, W, b)
+    assert (len(composed), len(fused)) == (1, 1)
+    with torch.no_grad():
+        maxsim_from_hidden(Q, H, W, b)
+    assert (len(composed), len(fused)) == (1, 2)
+
+
+@needs_kernels
+def test_gradient_to_some_inputs_only_and_half_precision_dtypes(training_path):
     Q, H, W, b, d_mask = _inputs(2, 5, 16, 2, 21, 24, torch.bfloat16, seed=11, mask=True)
     W.requires_grad_()
     out = maxsim_from_hidden(Q, H, W, b, d_mask)
@@ -328,6 +356,7 @@ def test_no_argmax_is_saved_without_grad(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(head, "_forward", spy)
+    monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_HIDDEN", -1)  # training: fused too
     Q, H, W, b, _ = _inputs(1, 3, 16, 1, 5, 8, torch.float32, seed=12, grad=True)
     with torch.no_grad():
         maxsim_from_hidden(Q, H, W, b)
@@ -480,7 +509,7 @@ GPU_GRAD_CASES = {  # (Nq, Lq, d, Nd, Ld, d_model)
 @needs_gpu
 @pytest.mark.parametrize("case", list(GPU_GRAD_CASES))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_gpu_gradients(case, dtype):
+def test_gpu_gradients(case, dtype, training_path):
     torch_dtype = TORCH_DTYPE[dtype]
     Nq, Lq, d, Nd, Ld, d_model = GPU_GRAD_CASES[case]
     Q, H, W, b, d_mask = _inputs(Nq, Lq, d, Nd, Ld, d_model, torch_dtype, seed=17, mask=True,
