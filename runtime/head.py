@@ -15,12 +15,12 @@ normalizes them already in ColBERT-style models. For unnormalized queries, pass
 `F.normalize(Q, dim=-1)`; maxsim_from_hidden(Q, H, W, b) then equals
 `maxsim(Q, F.linear(H, W, b), normalize=True)`.
 
-Autograd reaches Q, H_d, W and b. Training calls over at most
-COMPOSED_TRAINING_MAX_HIDDEN hidden-state values (in-batch training) project the docs
-with PyTorch, in fp32 as the kernel does, and score them with lik's maxsim and its
-generated backward (_composed_scores). Larger ones run the fused forward, which saves
-each query token's winning doc token (an int16/int32 argmax [Nq, Nd, Lq]), and a plain
-PyTorch backward on those winners that works in bounded chunks; see _backward.
+Autograd reaches Q, H_d, W and b. Training calls whose projected docs hold at most
+COMPOSED_TRAINING_MAX_DOC_VALUES values (in-batch training) project the docs with
+PyTorch and score them with lik's maxsim and its generated backward (_composed_scores).
+Larger ones run the fused forward, which saves each query token's winning doc token (an
+int16/int32 argmax [Nq, Nd, Lq]), and a plain PyTorch backward on those winners that
+works in bounded chunks; see _backward.
 """
 
 from __future__ import annotations
@@ -276,23 +276,25 @@ def _backward(grad_scores, argmax, Q, H, W, b, normalize: bool, needs: tuple[boo
     )
 
 
-# Training calls over at most this many hidden-state values (Nd * Ld * d_model) take
-# _composed_scores: its fp32 copy of H_d is then at most 128 MiB, below the fused
-# backward's chunk budget (BACKWARD_CHUNK_ELEMENTS fp32 values). An in-batch step of 32 x
-# 32 docs of 300 tokens (768 -> 128) has 7.4M.
-COMPOSED_TRAINING_MAX_HIDDEN = 1 << 25
+# Training calls whose projected docs hold at most this many values (Nd * Ld * d) take
+# _composed_scores, which keeps 6-8 bytes per value until the backward (the fp32
+# projection the normalization saves, the normalized docs maxsim saves): at most 128 MiB,
+# under the fused backward's chunk budget (BACKWARD_CHUNK_ELEMENTS fp32 values). An
+# in-batch step of 32 docs of 300 tokens projected to 128 has 1.2M.
+COMPOSED_TRAINING_MAX_DOC_VALUES = 1 << 24
 
 
 def _composed_scores(Q, H, W, b, d_mask, normalize: bool) -> torch.Tensor:
-    """maxsim_from_hidden for training as three autograd steps: the projection in fp32
-    (exact products, fp32 sums: what the fused kernel computes before it rounds), the
-    normalization, then lik's maxsim on the docs rounded once to Q's dtype, whose
-    generated backward routes each gradient to the winning doc tokens. About half the
-    ops of the fused forward and its PyTorch backward, and no winner gathers."""
-    f32 = torch.float32
-    raw = F.linear(H.to(f32), W.to(f32), None if b is None else b.to(f32))
-    docs = F.normalize(raw, dim=-1) if normalize else raw
-    return maxsim(Q, docs.to(Q.dtype), d_mask=d_mask)
+    """maxsim_from_hidden for training as three autograd steps: the projection (PyTorch's
+    matmul in the inputs' dtype), the normalization in fp32, then lik's maxsim on the
+    docs rounded back to Q's dtype, whose generated backward routes each gradient to the
+    winning doc tokens. Against the fused kernel, the projection is rounded once more
+    (before the normalization); the ops are tensor-core matmuls and a few elementwise
+    passes instead of the fused backward's fp32 re-projection and winner gathers."""
+    docs = F.linear(H, W, b)
+    if normalize:
+        docs = F.normalize(docs.float(), dim=-1).to(Q.dtype)
+    return maxsim(Q, docs, d_mask=d_mask)
 
 
 class _MaxSimFromHidden(torch.autograd.Function):
@@ -354,8 +356,8 @@ def maxsim_from_hidden(
 
     Q [Nq, Lq, d] (or [Lq, d], squeezing the query axis of the result) against
     D = normalize(H_d W^T + b), H_d [Nd, Ld, d_model], W [d, d_model] (nn.Linear.weight),
-    b [d] or None -> [Nq, Nd] fp32. Scoring writes no D to memory; training calls over
-    up to COMPOSED_TRAINING_MAX_HIDDEN hidden-state values project D for the backward
+    b [d] or None -> [Nq, Nd] fp32. Scoring writes no D to memory; training calls whose
+    D holds at most COMPOSED_TRAINING_MAX_DOC_VALUES values project it for the backward
     (see the module docstring). d_mask [Nd, Ld] bool, True = valid: a masked doc token
     never wins, a fully masked doc scores 0 and gets zero gradient. normalize
     L2-normalizes the projected doc tokens (Q is used as given). Q, H_d, W and b share one
@@ -369,7 +371,7 @@ def maxsim_from_hidden(
     elif torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (Q3, H_d, W, b)
     ):
-        if H_d.numel() <= COMPOSED_TRAINING_MAX_HIDDEN:
+        if H_d.shape[0] * H_d.shape[1] * W.shape[0] <= COMPOSED_TRAINING_MAX_DOC_VALUES:
             out = _composed_scores(Q3, H_d, W, b, d_mask, normalize)
         else:
             out = _MaxSimFromHidden.apply(Q3, H_d, W, b, d_mask, normalize)

@@ -245,7 +245,7 @@ def training_path(request, monkeypatch):
     """Both training paths: small calls compose the projection with lik's maxsim; with a
     limit of -1 every call takes the fused forward and its winner-gathering backward."""
     if request.param == "fused":
-        monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_HIDDEN", -1)
+        monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_DOC_VALUES", -1)
     return request.param
 
 
@@ -287,8 +287,8 @@ def test_fully_masked_batch_gives_zero_gradients(training_path):
 
 @needs_kernels
 def test_training_calls_pick_their_path_by_hidden_state_count(monkeypatch):
-    """Small training calls run lik's maxsim on the projected docs; larger ones, and every
-    call without gradients, the fused kernel (which never writes D)."""
+    """Training calls with small projected docs run lik's maxsim on them; larger ones, and
+    every call without gradients, the fused kernel (which never writes D)."""
     fused, composed = [], []
     forward, score = head._forward, head.maxsim
     monkeypatch.setattr(head, "_forward", lambda *a, **k: fused.append(1) or forward(*a, **k))
@@ -296,7 +296,8 @@ def test_training_calls_pick_their_path_by_hidden_state_count(monkeypatch):
     Q, H, W, b, _ = _inputs(2, 4, 16, 3, 9, 24, torch.float32, seed=14, grad=True)
     maxsim_from_hidden(Q, H, W, b)
     assert (len(composed), len(fused)) == (1, 0)
-    monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_HIDDEN", H.numel() - 1)
+    doc_values = H.shape[0] * H.shape[1] * W.shape[0]
+    monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_DOC_VALUES", doc_values - 1)
     maxsim_from_hidden(Q, H, W, b)
     assert (len(composed), len(fused)) == (1, 1)
     with torch.no_grad():
@@ -356,7 +357,7 @@ def test_no_argmax_is_saved_without_grad(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(head, "_forward", spy)
-    monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_HIDDEN", -1)  # training: fused too
+    monkeypatch.setattr(head, "COMPOSED_TRAINING_MAX_DOC_VALUES", -1)  # training: fused too
     Q, H, W, b, _ = _inputs(1, 3, 16, 1, 5, 8, torch.float32, seed=12, grad=True)
     with torch.no_grad():
         maxsim_from_hidden(Q, H, W, b)
@@ -486,13 +487,20 @@ def test_gpu_forward_parity(shape, dtype, mask):
         assert relative_error(out, ref) <= 1.1 * eager, "worse than same-dtype eager PyTorch"
 
 
-def _reference_rounded_docs(Q, H, W, b, d_mask, dtype):
+def _rounded(x, dtype):
+    """x rounded to dtype in the forward, straight through in the backward."""
+    return x + (x.to(dtype).double() - x).detach()
+
+
+def _reference_rounded_docs(Q, H, W, b, d_mask, dtype, round_projection=False):
     """float64 reference whose normalized projected docs are rounded to `dtype` in the
     forward (straight through in the backward), as the kernel rounds its projected tile
-    before the similarity dot. Without it, bf16 rounding flips a few near-tied argmaxes
-    (~0.4% of 1000 query tokens at Ld 300), each moving a whole row of grad_H."""
-    D = F.normalize(F.linear(H, W, b), dim=-1)
-    D = D + (D.to(dtype).double() - D).detach()
+    before the similarity dot (round_projection: the projection too, before the
+    normalization, as the composed training path's matmul does). Without it, bf16
+    rounding flips a few near-tied argmaxes (~0.4% of 1000 query tokens at Ld 300), each
+    moving a whole row of grad_H."""
+    raw = F.linear(H, W, b)
+    D = _rounded(F.normalize(_rounded(raw, dtype) if round_projection else raw, dim=-1), dtype)
     sim = torch.einsum("isk,jtk->ijst", Q, D)
     sim = sim.masked_fill(~d_mask[None, :, None, :], float("-inf"))
     best = sim.amax(-1)
@@ -518,7 +526,8 @@ def test_gpu_gradients(case, dtype, training_path):
     out = maxsim_from_hidden(Q, H, W, b, d_mask)
     grads = torch.autograd.grad(out, (Q, H, W, b), grad_out)
     ref_inputs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
-    ref = _reference_rounded_docs(*ref_inputs, d_mask, torch_dtype)
+    ref = _reference_rounded_docs(*ref_inputs, d_mask, torch_dtype,
+                                  round_projection=training_path == "composed")  # fmt: skip
     ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double())
     assert_close_to_reference(out, ref, torch_dtype, interpreter=False, what=case)
     for label, grad, ref_grad in zip("QHWb", grads, ref_grads, strict=True):
