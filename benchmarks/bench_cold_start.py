@@ -105,32 +105,35 @@ def _median_ms(runs: list[dict], field: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def measure_shape(name: str, dims: list, repeats: int, bytecode: str) -> dict:
+    """One shape's cells: a compiling child on an empty Triton cache, then `repeats`
+    children per mode on the cache it filled."""
+    with tempfile.TemporaryDirectory() as cache:
+        compile_run = child(dims, cache, bytecode)
+        runs = {mode: [child(dims, cache, bytecode, prewarm, idle) for _ in range(repeats)]
+                for mode, prewarm, idle in MODES}  # fmt: skip
+    every_run = [r for rs in runs.values() for r in rs]
+    setup_ms = _median_ms(every_run, "import_s")
+    record = {
+        "name": name,
+        "dims": dims,
+        "empty_cache": compile_run,
+        "warm_cache": runs,
+        "first_call_ms": {mode: _median_ms(rs, "first_s") for mode, rs in runs.items()},
+        "second_call_ms": _median_ms(every_run, "second_s"),
+        "setup_s": setup_ms / 1e3 if setup_ms is not None else None,
+    }
+    cold = compile_run.get("first_s", float("nan"))
+    firsts = ", ".join(f"{m} {format_ms(ms)} ms" for m, ms in record["first_call_ms"].items())
+    print(f"[{name}] first call: empty cache {cold:.2f} s; warm cache: {firsts}", flush=True)
+    return record
+
+
 def run(repeats: int) -> dict:
     report = {"env": environment_info(), "gpu": gpu_name(), "target_ms": TARGET_MS}
-    report["shapes"] = []
-    bytecode = tempfile.TemporaryDirectory()  # shared by every child: filled by the first
-    for name, *dims in SHAPES:
-        with tempfile.TemporaryDirectory() as cache:
-            compile_run = child(dims, cache, bytecode.name)
-            runs = {mode: [child(dims, cache, bytecode.name, prewarm, idle)
-                           for _ in range(repeats)]
-                    for mode, prewarm, idle in MODES}  # fmt: skip
-        every_run = [r for rs in runs.values() for r in rs]
-        setup_ms = _median_ms(every_run, "import_s")
-        record = {
-            "name": name,
-            "dims": dims,
-            "empty_cache": compile_run,
-            "warm_cache": runs,
-            "first_call_ms": {mode: _median_ms(rs, "first_s") for mode, rs in runs.items()},
-            "second_call_ms": _median_ms(every_run, "second_s"),
-            "setup_s": setup_ms / 1e3 if setup_ms is not None else None,
-        }
-        cold = compile_run.get("first_s", float("nan"))
-        firsts = ", ".join(f"{m} {format_ms(ms)} ms" for m, ms in record["first_call_ms"].items())
-        print(f"[{name}] first call: empty cache {cold:.2f} s; warm cache: {firsts}", flush=True)
-        report["shapes"].append(record)
-    bytecode.cleanup()
+    with tempfile.TemporaryDirectory() as bytecode:  # shared by every child: the first fills it
+        report["shapes"] = [measure_shape(name, dims, repeats, bytecode)
+                            for name, *dims in SHAPES]  # fmt: skip
     return report
 
 
