@@ -178,7 +178,11 @@ class RenderContext:
         if self.topk or self.doc_stream:
             options.append("DOCS_PER_PROGRAM=config.docs_per_program")
         if self.doc_stream:
-            options += ["DOC_SPLITS=splits", "PEEL_TAIL=config.peel_tail"]
+            options += [
+                "FLAT_DOCS=config.flat_docs",
+                "DOC_SPLITS=splits",
+                "PEEL_TAIL=config.peel_tail",
+            ]
         if self.even_tiles:
             options.append("EVEN_LD=Ld % config.block_l == 0")
         if self.doc_stream:  # peels only when the call's config says so
@@ -437,12 +441,14 @@ _EVEN_TILE_LAYOUTS = (Layout.DENSE, Layout.KD, Layout.PAIRS)
 
 
 def streams_docs(variant: Variant) -> bool:
-    """Whether each forward program walks a block of docs in one flat (doc, tile) loop:
-    dense inference with the plain max (no argmax to save, no token-score hook).
+    """Whether each forward program walks a block of docs: dense inference with the plain
+    max (no argmax to save, no token-score hook).
 
     Short docs are one or two tiles (a 128-token corpus doc, a 256-token fp8 rerank doc):
     with one program per doc the load pipeline never fills and every program reloads its
-    query tile. Streaming DOCS_PER_PROGRAM docs keeps the next doc's tiles in flight.
+    query tile. Streaming DOCS_PER_PROGRAM docs through one flat (doc, tile) loop keeps
+    the next doc's tiles in flight. Longer docs under a stacked query tile walk a few docs
+    each, one tile loop per doc, so the tall query tile is loaded once for all of them.
     """
     # fp8 docs do not gain: on an H200 (Nq 1, Nd 8192, Ld 256) one doc per program ran
     # 0.104 ms and blocks of 4-32 docs 0.108-0.124 ms; with the 64-row query tile, 0.088

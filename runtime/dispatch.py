@@ -144,16 +144,39 @@ def peels_tail(config, ld: int) -> bool:
     return whole >= (NARROW_PEEL_MIN_TILES if narrows else PEEL_MIN_TILES)
 
 
+# Docs of more tiles than stream (above) still walk a few docs per program, each in its
+# own tile loop, under a stacked query tile of at least NEST_MIN_ROWS rows: such a tile
+# (256 rows x 128 dims: 64 KB) costs about as much to load as the doc's tiles, and is
+# loaded once for all of them. Blocks are sized for about NEST_TARGET_PROGRAMS programs.
+# Measured on an H200 (benchmarks/results/forward_nested_docs_H200.md), 8 docs per
+# program on 4 warps against one: 256 x 256 queries and docs at Ld 300 0.340 -> 0.325
+# ms, at Ld 192 0.219 -> 0.186; 16 x 20000 at Ld 300 1.84 -> 1.65. On 8 warps 2-4 docs
+# gained at most 4% and lost up to 15%, and 16 docs ran 2-4x slower.
+NEST_MIN_ROWS = 128
+NEST_TARGET_PROGRAMS = 1024
+NEST_DOCS_PER_PROGRAM = (1, 8)
+NEST_MAX_WARPS = 4
+
+
+def nested_docs_per_program(config, nq: int, nd: int) -> int:
+    """Docs each program of an unstreamed, unsplit forward walks, one tile loop each."""
+    if config.query_group * config.block_q < NEST_MIN_ROWS or config.num_warps > NEST_MAX_WARPS:
+        return 1
+    groups = -(-nq // config.query_group)
+    return _docs_per_program(nd, groups, NEST_TARGET_PROGRAMS, NEST_DOCS_PER_PROGRAM)
+
+
 def streamed(config, nq: int, nd: int, ld: int):
-    """A streaming kernel's config for one call: blocks of short docs per program, or
-    token ranges of few long docs; long docs with a partial last tile peel it. (Called
-    once per call shape: _config remembers the result.)"""
+    """A streaming kernel's config for one call: blocks of short docs per program in one
+    flat loop; token ranges of few long docs, or blocks of many; long docs with a partial
+    last tile peel it. (Called once per call shape: _config remembers the result.)"""
     blocks = streamed_blocks(config, nq, nd, ld)
     if blocks > 1:
-        return dataclasses.replace(config, docs_per_program=blocks)
-    return dataclasses.replace(config, docs_per_program=1,
-                               doc_splits=doc_splits(config, nq, nd, ld),
-                               peel_tail=peels_tail(config, ld))  # fmt: skip
+        return dataclasses.replace(config, docs_per_program=blocks, flat_docs=True)
+    splits = doc_splits(config, nq, nd, ld)
+    nested = nested_docs_per_program(config, nq, nd) if splits == 1 else 1
+    return dataclasses.replace(config, docs_per_program=nested, flat_docs=False,
+                               doc_splits=splits, peel_tail=peels_tail(config, ld))  # fmt: skip
 
 
 def _keyed_config(

@@ -74,6 +74,37 @@ def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
 
 
 @pytest.mark.parametrize("peel", [False, True])
+@pytest.mark.parametrize("docs_per_program", [2, 4])
+@pytest.mark.parametrize(
+    "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]
+)
+def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
+    # Docs of several tiles walked a few per program, each with its own tile loop: Nd = 7
+    # in blocks of 2 or 4 (the last block runs past Nd), Ld 77 (two 32-token tiles and
+    # 13 tokens, peeled into a 16-token tile or scored in the loop). Doc 3 is fully masked
+    # (scores 0) and doc 5 holds a NaN (scores NaN), so each doc's running max is fresh.
+    monkeypatch.setattr(dispatch, "streamed_blocks", lambda config, nq, nd, ld: 1)
+    monkeypatch.setattr(
+        dispatch, "nested_docs_per_program", lambda config, nq, nd: docs_per_program
+    )
+    monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
+    variant = Variant.parse(name)
+    Q, D, q_mask, d_mask, shape, _ = _case(
+        variant, 5, 7, 7, 77, 48, torch.Generator().manual_seed(3)
+    )
+    D[5, 40, 7] = float("nan")
+    if d_mask is not None:
+        d_mask[3], d_mask[5, 40] = False, True
+    ref = maxsim_reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
+    out = _run(variant, Q, D, q_mask, d_mask, shape)
+    assert out[:, 5].isnan().all() and ref[:, 5].isnan().all()
+    finite = [0, 1, 2, 3, 4, 6]
+    assert_close_to_reference(
+        out[:, finite], ref[:, finite], Q.dtype, interpreter=INTERPRETER, what=name
+    )
+
+
+@pytest.mark.parametrize("peel", [False, True])
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
 @pytest.mark.parametrize(
     "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]

@@ -3,6 +3,8 @@ sweep), configs that do not fit are shrunk instead of failing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lik.runtime import dispatch, registry, tune
@@ -105,6 +107,25 @@ def test_only_few_long_docs_split_into_token_ranges():
     assert (streamed.docs_per_program, streamed.doc_splits) == (1, 4)
     streamed = dispatch.streamed(config, nq=1, nd=4, ld=128)
     assert (streamed.docs_per_program, streamed.doc_splits) == (1, 1)
+
+
+def test_many_long_docs_under_a_stacked_query_tile_nest_a_few_per_program():
+    # About 1024 programs, at most 8 docs each, and only under a tile of 128+ rows on up
+    # to 4 warps; short docs keep the flat stream, few long docs their token ranges.
+    stacked = LaunchConfig(32, 64, 128, 4, 3, query_group=8)
+    inbatch = dispatch.streamed(stacked, nq=256, nd=256, ld=300)  # 8192 programs -> 1024
+    assert (inbatch.docs_per_program, inbatch.flat_docs, inbatch.doc_splits) == (8, False, 1)
+    assert dispatch.streamed(stacked, nq=64, nd=64, ld=300).docs_per_program == 1  # 512
+    assert dispatch.streamed(stacked, nq=256, nd=48, ld=300).docs_per_program == 2  # 1536
+    assert dispatch.streamed(stacked, nq=16, nd=10**6, ld=300).docs_per_program == 8  # capped
+    longdoc = dispatch.streamed(stacked, nq=16, nd=32, ld=8192)
+    assert (longdoc.docs_per_program, longdoc.doc_splits) == (1, 4)
+    corpus = dispatch.streamed(stacked, nq=16, nd=10**5, ld=128)  # two tiles: flat stream
+    assert corpus.flat_docs and corpus.docs_per_program > 1
+    wide = dataclasses.replace(stacked, num_warps=8)
+    assert dispatch.streamed(wide, nq=256, nd=256, ld=300).docs_per_program == 1
+    thin = LaunchConfig(32, 64, 128, 4, 3, query_group=2)  # 64 rows
+    assert dispatch.streamed(thin, nq=256, nd=256, ld=300).docs_per_program == 1
 
 
 def test_long_docs_with_a_partial_tile_peel_it():
