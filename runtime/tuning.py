@@ -29,7 +29,7 @@ class LaunchConfig:
     block_n: int = 8  # docs per program of the unified backward
     query_group: int = 1  # queries stacked per forward program (dense layout)
     top_k: int = 1  # candidates kept per query and doc block (top-k epilogue)
-    docs_per_program: int = 256  # docs one top-k or streaming forward program walks
+    docs_per_program: int = 1  # docs each program of a top-k or streaming forward walks
     flat_docs: bool = False  # streaming forward: its docs in one flat (doc, tile) loop
     doc_splits: int = 1  # token ranges each doc of a streaming forward splits into
     peel_tail: bool = False  # streaming forward: a partial last doc tile after the loop

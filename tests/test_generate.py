@@ -142,16 +142,16 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
             a.strip().rstrip(",") for a in text[start : text.index("):", start)].splitlines()[1:]
         ]
 
-    # Dense inference streams blocks of docs or splits long ones: it also takes Nd,
-    # DOCS_PER_PROGRAM, DOC_SPLITS and the token ranges' row maxima (Partial), and peels a
-    # partial last tile (PEEL_TAIL) into a TAIL_L-token tile.
+    # Dense inference walks blocks of docs (flat or nested) or splits long ones: it also
+    # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS and the token ranges' row maxima
+    # (Partial), and peels a partial last tile (PEEL_TAIL) into a TAIL_L-token tile.
     assert signature("maxsim_dense_nomask_bf16_triton") == [
         "Q", "D", "Out", "Partial", "Nq", "Nd", "Lq", "Ld", "dim",
         "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
         "stride_ob", "stride_oc",
         "BLOCK_Q: tl.constexpr", "BLOCK_L: tl.constexpr", "BLOCK_K: tl.constexpr",
         "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr", "EVEN_LD: tl.constexpr",
-        "QUERY_GROUP: tl.constexpr", "DOCS_PER_PROGRAM: tl.constexpr",
+        "QUERY_GROUP: tl.constexpr", "DOCS_PER_PROGRAM: tl.constexpr", "FLAT_DOCS: tl.constexpr",
         "DOC_SPLITS: tl.constexpr", "PEEL_TAIL: tl.constexpr", "TAIL_L: tl.constexpr",
     ]  # fmt: skip
     kd = signature("maxsim_kd_qdmask_bf16_triton")
