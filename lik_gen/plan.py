@@ -181,6 +181,7 @@ class RenderContext:
             options += [
                 "FLAT_DOCS=config.flat_docs",
                 "DOC_SPLITS=splits",
+                "EVICT_DOCS=config.evict_docs",
                 "PEEL_TAIL=config.peel_tail",
             ]
         if self.even_tiles:
@@ -699,6 +700,12 @@ def plan(variant: Variant):
         score=score,
         scaled=plan_fp8.is_scaled(variant),
         doc_stream=streams_docs(variant),
+        # Uncompressed docs; streaming forwards' loads may carry an evict-first hint.
+        doc_tile_params=(
+            "stride_dt",
+            "stride_dk",
+            "EVICT_DOCS" if streams_docs(variant) else "False",
+        ),  # fmt: skip
         even_tiles=has_even_tiles(variant),
         peels_tail=peels_tail(variant),
         column_argmax=trains_dense(variant),

@@ -166,17 +166,46 @@ def nested_docs_per_program(config, nq: int, nd: int) -> int:
     return _docs_per_program(nd, groups, NEST_TARGET_PROGRAMS, NEST_DOCS_PER_PROGRAM)
 
 
-def streamed(config, nq: int, nd: int, ld: int):
+# A rerank by one thin query tile (at most ONCE_MAX_ROWS rows: it reads each doc once)
+# of more than an L2 of docs but at most a few (ONCE_DOC_BYTES) loads its doc tiles
+# straight to registers with an evict-first hint, ONCE_BLOCK_L tokens at a time on one
+# warp, instead of pipelining them: L2 lines that earlier kernels left dirty then stay
+# put instead of being written back as the docs stream through, up to an L2 (50 MB) of
+# writes the rerank would otherwise wait on. Triton's pipelined loads carry no such hint.
+# On an H100 (benchmarks/results/rerank_evict_first_H100.md; do_bench overwrites L2
+# before each call): 1000 docs of 300 tokens 0.040 -> 0.037 ms, of 512 0.059 -> 0.056,
+# lateon-edge 0.049 -> 0.047; under an L2 of docs the lean pipeline lost (100 docs of
+# 180 tokens 0.010 -> 0.013), and at 1000 docs of 1024 tokens (262 MB) it gained nothing.
+ONCE_MAX_ROWS = 64
+ONCE_DOC_BYTES = (64 << 20, 128 << 20)
+ONCE_BLOCK_L = 32
+
+
+def loads_docs_once(config, nq: int, doc_bytes: int) -> bool:
+    """Whether an unsplit, unblocked streaming forward takes the evict-first loads above."""
+    rows = config.query_group * config.block_q
+    low, high = ONCE_DOC_BYTES
+    return rows <= ONCE_MAX_ROWS and nq <= config.query_group and low < doc_bytes <= high
+
+
+def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
     """A streaming kernel's config for one call: blocks of short docs per program in one
     flat loop; token ranges of few long docs, or blocks of many; long docs with a partial
-    last tile peel it. (Called once per call shape: _config remembers the result.)"""
+    last tile peel it; a small rerank's docs load once with evict-first hints. doc_bytes:
+    the docs' size (0: unknown, no such loads). (Called once per call shape: _config
+    remembers the result.)"""
     blocks = streamed_blocks(config, nq, nd, ld)
     if blocks > 1:
         return dataclasses.replace(config, docs_per_program=blocks, flat_docs=True)
     splits = doc_splits(config, nq, nd, ld)
     nested = nested_docs_per_program(config, nq, nd) if splits == 1 else 1
-    return dataclasses.replace(config, docs_per_program=nested, flat_docs=False,
-                               doc_splits=splits, peel_tail=peels_tail(config, ld))  # fmt: skip
+    config = dataclasses.replace(config, docs_per_program=nested, flat_docs=False,
+                                 doc_splits=splits, peel_tail=peels_tail(config, ld))  # fmt: skip
+    if splits == 1 and doc_bytes and loads_docs_once(config, nq, doc_bytes):
+        block_l = min(config.block_l, ONCE_BLOCK_L)
+        return dataclasses.replace(config, block_l=block_l, num_warps=1, num_stages=1,
+                                   evict_docs=True)  # fmt: skip
+    return config
 
 
 def _keyed_config(
@@ -195,7 +224,8 @@ def _keyed_config(
                         lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
     if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
-        config = streamed(config, Q.shape[0], docs, doc_tokens)
+        doc_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
+        config = streamed(config, Q.shape[0], docs, doc_tokens, doc_bytes)
     return config
 
 

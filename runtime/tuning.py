@@ -33,6 +33,7 @@ class LaunchConfig:
     flat_docs: bool = False  # streaming forward: its docs in one flat (doc, tile) loop
     doc_splits: int = 1  # token ranges each doc of a streaming forward splits into
     peel_tail: bool = False  # streaming forward: a partial last doc tile after the loop
+    evict_docs: bool = False  # streaming forward: doc loads hint L2 to evict them first
     column_argmax: bool = False  # dense training forward: the argmax kept per tile column
     interpret: bool = False
 

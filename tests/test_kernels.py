@@ -73,6 +73,22 @@ def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
 
+@pytest.mark.parametrize(
+    "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]
+)
+def test_docs_loaded_once(monkeypatch, name):
+    # The small-rerank loads (unpipelined, evict-first hint): 1 query, 7 docs of 37 tokens.
+    monkeypatch.setattr(dispatch, "loads_docs_once", lambda config, nq, doc_bytes: True)
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    variant = Variant.parse(name)
+    Q, D, q_mask, d_mask, shape, ref = _case(
+        variant, 1, 7, 7, 37, 48, torch.Generator().manual_seed(4)
+    )
+    out = _run(variant, Q, D, q_mask, d_mask, shape)
+    assert any(c.evict_docs for c in dispatch._call_configs.values())
+    assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
+
+
 @pytest.mark.parametrize("peel", [False, True])
 @pytest.mark.parametrize("docs_per_program", [2, 4])
 @pytest.mark.parametrize(

@@ -128,6 +128,25 @@ def test_many_long_docs_under_a_stacked_query_tile_nest_a_few_per_program():
     assert dispatch.streamed(thin, nq=256, nd=256, ld=300).docs_per_program == 1
 
 
+def test_small_reranks_load_their_docs_once_with_evict_first_hints():
+    # One thin query tile over 64-128 MiB of docs: 32-token tiles, one warp, no pipeline,
+    # evict-first loads. Smaller or larger docs, taller tiles, several query groups (each
+    # doc read more than once), split or unknown sizes keep the tuned pipeline.
+    thin = LaunchConfig(32, 64, 128, 2, 2)
+    colbert = dispatch.streamed(thin, nq=1, nd=1000, ld=300, doc_bytes=1000 * 300 * 128 * 2)
+    assert colbert.evict_docs
+    assert (colbert.block_l, colbert.num_warps, colbert.num_stages) == (32, 1, 1)
+    text_long = dispatch.streamed(thin, nq=1, nd=1000, ld=1024, doc_bytes=1000 * 1024 * 256)
+    assert not text_long.evict_docs and text_long == dispatch.streamed(thin, 1, 1000, 1024)
+    assert not dispatch.streamed(thin, nq=1, nd=1000, ld=300).evict_docs  # size unknown
+    assert not dispatch.streamed(thin, nq=1, nd=100, ld=180, doc_bytes=100 * 180 * 256).evict_docs
+    assert not dispatch.streamed(thin, nq=4, nd=1000, ld=300, doc_bytes=10**8).evict_docs
+    tall = LaunchConfig(128, 64, 128, 4, 3)  # colpali-rerank's 128-token queries
+    assert not dispatch.streamed(tall, nq=1, nd=400, ld=1024, doc_bytes=10**8).evict_docs
+    split = dispatch.streamed(thin, nq=1, nd=1, ld=2**18, doc_bytes=10**8)
+    assert split.doc_splits > 1 and not split.evict_docs
+
+
 def test_long_docs_with_a_partial_tile_peel_it():
     stacked = LaunchConfig(32, 64, 128, 8, 3, query_group=8)  # 256-row query tiles
     assert dispatch.streamed(stacked, nq=256, nd=256, ld=300).peel_tail  # 4 whole + 44

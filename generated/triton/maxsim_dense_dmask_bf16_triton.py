@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 905d33be57813a7500772af0565b45745550ed3bb87ac4a9ea39a1003d72d43f
+# body-sha256: feada94721212147651a450b5f3227ed273e207c35f75705e8eab72f917648a9
 
 """MaxSim forward for maxsim_dense_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,10 +30,19 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -68,6 +77,7 @@ def maxsim_dense_dmask_bf16_triton_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -127,7 +137,7 @@ def maxsim_dense_dmask_bf16_triton_fwd_kernel(
                 for start in range(first, whole_stop, BLOCK_L):
                     offs_t = start + tl.arange(0, BLOCK_L)
                     tile = _load_doc_tile(
-                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     t_valid = (offs_t < d_len) & (
@@ -145,7 +155,7 @@ def maxsim_dense_dmask_bf16_triton_fwd_kernel(
                         start = whole_stop
                         offs_t = start + tl.arange(0, BLOCK_L)
                         tile = _load_doc_tile(
-                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -166,7 +176,7 @@ def maxsim_dense_dmask_bf16_triton_fwd_kernel(
                     for start in range(whole_stop, stop, TAIL_L):
                         offs_t = start + tl.arange(0, TAIL_L)
                         tile = _load_doc_tile(
-                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -187,7 +197,7 @@ def maxsim_dense_dmask_bf16_triton_fwd_kernel(
                 for start in range(first, stop, BLOCK_L):
                     offs_t = start + tl.arange(0, BLOCK_L)
                     tile = _load_doc_tile(
-                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     t_valid = (offs_t < d_len) & (
@@ -240,7 +250,9 @@ def maxsim_dense_dmask_bf16_triton_fwd_kernel(
             d_mask_base = doc * stride_dmb
 
             offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+            tile = _load_doc_tile(
+                D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
+            )
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             t_valid = (offs_t < d_len) & (
                 tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0)
@@ -385,6 +397,7 @@ def launch(out, Q, D, d_mask, *, config):
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
+        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

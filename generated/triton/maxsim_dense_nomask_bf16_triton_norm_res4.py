@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4f4d351e8cfa9208ceae2dbef926d0437aaef99e1d60f65400cc12544132b6aa
+# body-sha256: 797cbaf7dcac1aa8c9bb692e14c8d3923660dbd967ef202ead497396951455e3
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -134,6 +134,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res4_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -530,6 +531,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
+        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 63213c526788e2d9cfe1f972fb80aef80d9e8d46e66ec5cdcdfea879141d8a69
+# body-sha256: 1e0e44ef86fe412ad16ce14e6d548bc5e7c6088dc517519f597cee55dca8af2f
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -134,6 +134,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res8_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -530,6 +531,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
+        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b1d63a4d9548460ee6ae31001974d31e5e61fe46d04a9db0c5168bfae0463c3d
+# body-sha256: 2dfa92f38da03a6d9d11562895ffed50f26e6a6590e2f5178c3d88d1697f7e62
 
 """MaxSim forward for maxsim_dense_qmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -36,10 +36,19 @@ def _inv_l2_norm(x):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -75,6 +84,7 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -135,7 +145,7 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
                 for start in range(first, whole_stop, BLOCK_L):
                     offs_t = start + tl.arange(0, BLOCK_L)
                     tile = _load_doc_tile(
-                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -147,7 +157,7 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
                         start = whole_stop
                         offs_t = start + tl.arange(0, BLOCK_L)
                         tile = _load_doc_tile(
-                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -165,7 +175,7 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
                     for start in range(whole_stop, stop, TAIL_L):
                         offs_t = start + tl.arange(0, TAIL_L)
                         tile = _load_doc_tile(
-                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                            D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -183,7 +193,7 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
                 for start in range(first, stop, BLOCK_L):
                     offs_t = start + tl.arange(0, BLOCK_L)
                     tile = _load_doc_tile(
-                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk
+                        D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -233,7 +243,9 @@ def maxsim_dense_qmask_bf16_triton_norm_fwd_kernel(
             d_base = doc * stride_db
 
             offs_t = start + tl.arange(0, BLOCK_L)
-            tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+            tile = _load_doc_tile(
+                D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, EVICT_DOCS
+            )
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
             t_valid = offs_t < d_len
@@ -377,6 +389,7 @@ def launch(out, Q, D, q_mask, *, config):
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
+        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         EVEN_LD=Ld % config.block_l == 0,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8d0d556c6d117b168e2b2189da43c53d647a0bbe09a738d0bfb363fde9e5a3e1
+# body-sha256: 73934d632bd89db70103aa049fdaf88215e2eb1809e04b6cb18a50d710f6d96d
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -48,10 +48,19 @@ def _normalize_backward(x, grad):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -134,7 +143,7 @@ def maxsim_dense_qmask_bf16_triton_norm_lowmem_fwd_kernel(
     whole_stop = d_len // BLOCK_L * BLOCK_L
     for start in range(0, whole_stop, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         if COLUMN_ARGMAX:
@@ -165,7 +174,9 @@ def maxsim_dense_qmask_bf16_triton_norm_lowmem_fwd_kernel(
             if whole_stop < d_len:
                 start = whole_stop
                 offs_t = start + tl.arange(0, BLOCK_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                tile = _load_doc_tile(
+                    D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False
+                )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                 t_valid = offs_t < d_len
@@ -188,7 +199,9 @@ def maxsim_dense_qmask_bf16_triton_norm_lowmem_fwd_kernel(
         else:
             for start in range(whole_stop, d_len, TAIL_L):
                 offs_t = start + tl.arange(0, TAIL_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                tile = _load_doc_tile(
+                    D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False
+                )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                 t_valid = offs_t < d_len

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1aade9547e18d0b7b1a8cb23de66fe269b2b58d35e59632532d07101180aeda8
+# body-sha256: 5a5e7c1f1952cf1f26bd8cb6b3304b44fad53c0ae8e572f11660b700d56d6ee7
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,10 +30,19 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -115,7 +124,7 @@ def maxsim_dense_qmask_fp32_triton_lowmem_fwd_kernel(
     whole_stop = d_len // BLOCK_L * BLOCK_L
     for start in range(0, whole_stop, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         if COLUMN_ARGMAX:
             # Per tile column: the running max and the tile it came from (strict >: the earliest
@@ -145,7 +154,9 @@ def maxsim_dense_qmask_fp32_triton_lowmem_fwd_kernel(
             if whole_stop < d_len:
                 start = whole_stop
                 offs_t = start + tl.arange(0, BLOCK_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                tile = _load_doc_tile(
+                    D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False
+                )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 t_valid = offs_t < d_len
                 if (
@@ -167,7 +178,9 @@ def maxsim_dense_qmask_fp32_triton_lowmem_fwd_kernel(
         else:
             for start in range(whole_stop, d_len, TAIL_L):
                 offs_t = start + tl.arange(0, TAIL_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                tile = _load_doc_tile(
+                    D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False
+                )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 t_valid = offs_t < d_len
                 if (

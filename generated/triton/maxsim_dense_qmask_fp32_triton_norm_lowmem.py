@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ee3597260cde5a8e9db55b5be64fa0c97f530d1e47a6bef2d8b8112141fbf1cc
+# body-sha256: e26cdc5797e7075ec80a1461f6ccc23f2d444b2230af0923c1c32bf7ec50812d
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -48,10 +48,19 @@ def _normalize_backward(x, grad):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -134,7 +143,7 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_fwd_kernel(
     whole_stop = d_len // BLOCK_L * BLOCK_L
     for start in range(0, whole_stop, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         if COLUMN_ARGMAX:
@@ -165,7 +174,9 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_fwd_kernel(
             if whole_stop < d_len:
                 start = whole_stop
                 offs_t = start + tl.arange(0, BLOCK_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                tile = _load_doc_tile(
+                    D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False
+                )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                 t_valid = offs_t < d_len
@@ -188,7 +199,9 @@ def maxsim_dense_qmask_fp32_triton_norm_lowmem_fwd_kernel(
         else:
             for start in range(whole_stop, d_len, TAIL_L):
                 offs_t = start + tl.arange(0, TAIL_L)
-                tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+                tile = _load_doc_tile(
+                    D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False
+                )
                 sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                 sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                 t_valid = offs_t < d_len

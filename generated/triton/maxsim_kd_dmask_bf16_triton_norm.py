@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3ac6cb03b105b30627ae20f21380b93020b702923a156a339491bb2e6bf2eaca
+# body-sha256: 647e341639b2c39a6df35b6dfd37f286330720960287106f64be204198cd9000
 
 """MaxSim forward for maxsim_kd_dmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -36,10 +36,19 @@ def _inv_l2_norm(x):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -97,7 +106,7 @@ def maxsim_kd_dmask_bf16_triton_norm_fwd_kernel(
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = (offs_t < d_len) & (

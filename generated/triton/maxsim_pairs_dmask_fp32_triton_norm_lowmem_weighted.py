@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 1d452a688010730de9d1827129bf120e5595ebbbd615702df9729f023d35fb32
+# body-sha256: ee2d0e13b406bdaefcb2bb47f331e2ff245ab10bc3f99e883842e9b175287002
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -42,10 +42,19 @@ def _normalize_backward(x, grad):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -139,7 +148,7 @@ def maxsim_pairs_dmask_fp32_triton_norm_lowmem_weighted_fwd_kernel(
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         # A hooked score need not be linear in the query's norm (smooth max is not), so
         # both norms scale the fp32 similarities here; normalizing q before a bf16 dot
@@ -235,9 +244,9 @@ def maxsim_pairs_dmask_fp32_triton_norm_lowmem_weighted_bwd_q_kernel(
         d_base = query * stride_db
         for start in range(0, Ld, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
-            d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk).to(
-                tl.float32
-            )
+            d_raw = _load_doc_tile(
+                D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
+            ).to(tl.float32)
             d_inv_norm = _inv_l2_norm(d_raw)
             d_hat = d_raw * d_inv_norm[:, None]
             t_valid = (offs_t < Ld) & (
@@ -319,7 +328,9 @@ def maxsim_pairs_dmask_fp32_triton_norm_lowmem_weighted_bwd_d_kernel(
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
     d_base = query * stride_db
-    d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk).to(tl.float32)
+    d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
+        tl.float32
+    )
     d_inv_norm = _inv_l2_norm(d_raw)
     d_hat = d_raw * d_inv_norm[:, None]
     t_valid = (offs_t < Ld) & (

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_norm_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 900e42d3dc56c9ce8fa7c7776eca0cc7291563376e0e9f6b0a06d2427aa1fd1d
+# body-sha256: cda265497d2e535d04ba694506fab07ba9a78037f7ca5f2cfcefcf079efff4c5
 
 """MaxSim training (lowmem backward) for maxsim_pairs_nomask_fp16_triton_norm_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -42,10 +42,19 @@ def _normalize_backward(x, grad):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -160,7 +169,7 @@ def maxsim_pairs_nomask_fp16_triton_norm_lowmem_topkmean_fwd_kernel(
     nan_probe = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         # A hooked score need not be linear in the query's norm (smooth max is not), so
         # both norms scale the fp32 similarities here; normalizing q before a bf16 dot
@@ -251,9 +260,9 @@ def maxsim_pairs_nomask_fp16_triton_norm_lowmem_topkmean_bwd_q_kernel(
         d_base = query * stride_db
         for start in range(0, Ld, BLOCK_L):
             offs_t = start + tl.arange(0, BLOCK_L)
-            d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk).to(
-                tl.float32
-            )
+            d_raw = _load_doc_tile(
+                D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
+            ).to(tl.float32)
             d_inv_norm = _inv_l2_norm(d_raw)
             d_hat = d_raw * d_inv_norm[:, None]
             t_valid = offs_t < Ld
@@ -321,7 +330,9 @@ def maxsim_pairs_nomask_fp16_triton_norm_lowmem_topkmean_bwd_d_kernel(
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
     d_base = query * stride_db
-    d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk).to(tl.float32)
+    d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
+        tl.float32
+    )
     d_inv_norm = _inv_l2_norm(d_raw)
     d_hat = d_raw * d_inv_norm[:, None]
     t_valid = offs_t < Ld

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 191d88b30a89e60ae8756dc6b31b2b6728adebe7e977e52280554d13724af53c
+# body-sha256: 91520770a4d8d8114d61fae64db55451da9568d67943deac4ce027850b3c85c7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -30,10 +30,19 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _load_doc_tile(D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk):
-    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim."""
+def _load_doc_tile(
+    D, doc_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, EVICT_DOCS: tl.constexpr
+):
+    """Doc tokens offs_t of one document, stored uncompressed; zeros past Ld and dim.
+    EVICT_DOCS: the lines are read once, so L2 evicts them first (a hint only plain loads
+    carry: pipelined loads become async copies, which Triton issues without it)."""
     ptrs = D + doc_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk
-    return tl.load(ptrs, mask=(offs_t[:, None] < Ld) & (offs_k[None, :] < dim), other=0.0)
+    mask = (offs_t[:, None] < Ld) & (offs_k[None, :] < dim)
+    if EVICT_DOCS:
+        tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
 
 
 @cached_launch
@@ -94,7 +103,7 @@ def maxsim_pairs_qdmask_fp16_triton_lowmem_fwd_kernel(
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk)
+        tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         t_valid = (offs_t < d_len) & (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
