@@ -125,8 +125,8 @@ def forward_run(module, shape):
     out = torch.empty(nq, nd, device="cuda")
 
     def run(config):
-        if getattr(module, "DOC_STREAM", False):
-            config = dispatch.streamed(config, nq, nd, ld)
+        if getattr(module, "DOC_STREAM", False):  # as dispatch shapes it per call
+            config = dispatch.streamed(config, nq, nd, ld, doc_bytes=D.numel() * D.element_size())
         module.launch(out, Q, D, config=config)
         return (out,)
 
