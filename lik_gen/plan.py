@@ -164,6 +164,11 @@ class RenderContext:
     bwd_route_dynamic: tuple[str, ...] = ()
 
     @property
+    def evict_docs_option(self) -> bool:
+        """Whether the forward's doc-tile hook takes EVICT_DOCS (config.evict_docs)."""
+        return "EVICT_DOCS" in self.doc_tile_params
+
+    @property
     def fwd_options(self) -> tuple[str, ...]:
         """The forward launch's constexpr and launch options ("NAME=expr"), one per feature
         the kernel has. Derived from the final context, after any planner (PLAID, fp8)
@@ -181,9 +186,10 @@ class RenderContext:
             options += [
                 "FLAT_DOCS=config.flat_docs",
                 "DOC_SPLITS=splits",
-                "EVICT_DOCS=config.evict_docs",
                 "PEEL_TAIL=config.peel_tail",
             ]
+        if self.evict_docs_option:
+            options.append("EVICT_DOCS=config.evict_docs")
         if self.even_tiles:
             options.append("EVEN_LD=Ld % config.block_l == 0")
         if self.doc_stream:  # peels only when the call's config says so

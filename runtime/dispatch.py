@@ -188,6 +188,12 @@ def loads_docs_once(config, nq: int, doc_bytes: int) -> bool:
     return rows <= ONCE_MAX_ROWS and nq <= config.query_group and low < doc_bytes <= high
 
 
+def hinted_doc_bytes(module, doc_bytes: int) -> int:
+    """streamed's doc_bytes for a module: 0 where its doc loads take no evict-first hint
+    (compressed PLAID docs, whose bytes are not the dense size either)."""
+    return doc_bytes if getattr(module, "EVICT_DOCS_OPTION", False) else 0
+
+
 def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
     """A streaming kernel's config for one call: blocks of short docs per program in one
     flat loop; token ranges of few long docs, or blocks of many; long docs with a partial
@@ -224,7 +230,7 @@ def _keyed_config(
                         lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
     if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
-        doc_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
+        doc_bytes = hinted_doc_bytes(module, docs * doc_tokens * Q.shape[-1] * Q.element_size())
         config = streamed(config, Q.shape[0], docs, doc_tokens, doc_bytes)
     return config
 

@@ -126,7 +126,8 @@ def forward_run(module, shape):
 
     def run(config):
         if getattr(module, "DOC_STREAM", False):  # as dispatch shapes it per call
-            config = dispatch.streamed(config, nq, nd, ld, doc_bytes=D.numel() * D.element_size())
+            doc_bytes = dispatch.hinted_doc_bytes(module, D.numel() * D.element_size())
+            config = dispatch.streamed(config, nq, nd, ld, doc_bytes)
         module.launch(out, Q, D, config=config)
         return (out,)
 

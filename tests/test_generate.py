@@ -144,7 +144,8 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
 
     # Dense inference walks blocks of docs (flat or nested) or splits long ones: it also
     # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS and the token ranges' row maxima
-    # (Partial), and peels a partial last tile (PEEL_TAIL) into a TAIL_L-token tile.
+    # (Partial), peels a partial last tile (PEEL_TAIL) into a TAIL_L-token tile, and may
+    # hint its doc loads evict-first (EVICT_DOCS).
     assert signature("maxsim_dense_nomask_bf16_triton") == [
         "Q", "D", "Out", "Partial", "Nq", "Nd", "Lq", "Ld", "dim",
         "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
@@ -153,6 +154,7 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
         "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr", "EVEN_LD: tl.constexpr",
         "QUERY_GROUP: tl.constexpr", "DOCS_PER_PROGRAM: tl.constexpr", "FLAT_DOCS: tl.constexpr",
         "DOC_SPLITS: tl.constexpr", "PEEL_TAIL: tl.constexpr", "TAIL_L: tl.constexpr",
+        "EVICT_DOCS: tl.constexpr",
     ]  # fmt: skip
     kd = signature("maxsim_kd_qdmask_bf16_triton")
     assert kd[:5] == ["Q", "D", "q_mask", "d_mask", "Out"]

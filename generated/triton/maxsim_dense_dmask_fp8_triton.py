@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3a58d9f8f42397d682911610c99f872220b3c94d04f94a8538b18c558caa2798
+# body-sha256: bc59e3880b109bba58b55046e223f688bfe0c85e7df2826e459827897ab19933
 
 """MaxSim forward for maxsim_dense_dmask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

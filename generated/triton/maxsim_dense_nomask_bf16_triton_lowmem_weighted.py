@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 02a6c3f5b99db5f4a52219f6a050409c576703bd8389b4e1d607a8c30e8f02c2
+# body-sha256: 70f8384d19ad6ca992aeec4f6318a0b872af4527b79f807a3df139fc38137ee6
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_bf16_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "lowmem"
 SCORE = "weighted"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

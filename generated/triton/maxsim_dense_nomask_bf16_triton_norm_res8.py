@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c70f2c2d7bd26a2e370f1c81c11d21703f517f66c166808400de180f1110d024
+# body-sha256: f3a06e4ebbd97361bb3be51c14e715afba1ae5d4eb600c6f50d76a91bfce2cec
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -134,7 +135,6 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -531,7 +531,6 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fa25df62644d58fd823e4eaf9dfa71d36a3bf38eca5f37ba77eacfa1fa0855bc
+# body-sha256: aeb6a89907cee9386aa28847970e9aede01eb58bbfcdf1a22d2a0050d6b7d1da
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -134,7 +135,6 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -531,7 +531,6 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 9cd2fcfcf496f821ea9752d99dab17ca98f02564ec041bad4116f83b1c0b8995
+# body-sha256: 92d23431a4c4eb072875960ae0f837e24e3f279fefddaa4cf7d9de42b2541d0d
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp32_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "lowmem"
 SCORE = "smooth"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

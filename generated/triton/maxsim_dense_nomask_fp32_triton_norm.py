@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3b25f5ed4b5943cea47bd6b9c6c6b7a85f474ab68da4afc0b5129269acea2bd7
+# body-sha256: 92e09217ca5b9e72f30452efa30bc5d1fb8f63c32aa6ec1cf70fcb340d79dfcb
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = True  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -81,9 +82,9 @@ def maxsim_dense_nomask_fp32_triton_norm_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -380,8 +381,8 @@ def launch(out, Q, D, *, config):
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
+        EVICT_DOCS=config.evict_docs,
         EVEN_LD=Ld % config.block_l == 0,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

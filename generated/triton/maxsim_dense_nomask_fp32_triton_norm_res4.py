@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 816eef9af3fd1195fa09472cc902eb5e8c08712cc5c7bdbaf57562fef28ce9b0
+# body-sha256: c952afa92720e1262cfc6c90a5723aae3790f57e04bac028038be4c530c06fdc
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -134,7 +135,6 @@ def maxsim_dense_nomask_fp32_triton_norm_res4_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
 ):
@@ -531,7 +531,6 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7b3039cbc5d7d2c5e6a85115efab593f5b466b23e6f8c484561d9c0ca01e4252
+# body-sha256: 234bdfd4c67c6678576ca0af00a840690e5004f52b3694b16c38ba4b55142a85
 
 """MaxSim forward for maxsim_dense_nomask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 31668a0c43f4e7a8c97734fbb8de362e8fb1f0857a8a411c4893afadbce87103
+# body-sha256: e0126dfe6d6e9a4eb848cc386d6221ceac89182422de08dc3e87561fdcd57359
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp16_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "lowmem"
 SCORE = "topk_mean"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a183c96022afdb639a07f50412a170697868a6e17db4b488598b8d042e5423b2
+# body-sha256: 4060026823c60e01a103601e5bc548c1a6e1a71428b64a64153a02f97ae86d9a
 
 """MaxSim forward for maxsim_dense_qdmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = True  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -86,9 +87,9 @@ def maxsim_dense_qdmask_fp16_triton_norm_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -418,8 +419,8 @@ def launch(out, Q, D, q_mask, d_mask, *, config):
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
+        EVICT_DOCS=config.evict_docs,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )
 

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3f1b80ccf093433e8f953d28c573b539489f20e5b0fecab569fb8bc083d95278
+# body-sha256: 3e59d2923254c1590b6106af7407d5e7f5bd949a3ccf4fa83dea77c8f44b60c4
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "lowmem"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d1339ca4f0485e74ea65b4d80ee0fea99864926f9e1f40f504032df1d2090214
+# body-sha256: 40b325e8cdf56c26466f8e184d9de691655d0e5392a0f70435df7be4f7e15ad3
 
 """MaxSim forward for maxsim_dense_qdmask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

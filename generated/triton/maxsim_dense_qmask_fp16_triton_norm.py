@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b0774dd43e54e8349694e085708bcb94485f56fe0a76ab60f4e7dc00df106dbf
+# body-sha256: 0c1a00c85b8e5847ed981afbb5e8c875020cf3ba9ae54d9b55bf12066515ecd3
 
 """MaxSim forward for maxsim_dense_qmask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = True  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -84,9 +85,9 @@ def maxsim_dense_qmask_fp16_triton_norm_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -389,8 +390,8 @@ def launch(out, Q, D, q_mask, *, config):
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
+        EVICT_DOCS=config.evict_docs,
         EVEN_LD=Ld % config.block_l == 0,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

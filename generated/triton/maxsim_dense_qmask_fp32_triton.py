@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 217a3a35f422791f9d2fbd6fa7a7501dd408ceb7d36b4e773d431cdca1e7dcbb
+# body-sha256: 57d3be69a3de08f9a05f8a5b3104fa27a3a3c402b6f994d2af85656a8c9ec00b
 
 """MaxSim forward for maxsim_dense_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = True  # config.evict_docs applies to the forward
 
 
 @triton.jit
@@ -78,9 +79,9 @@ def maxsim_dense_qmask_fp32_triton_fwd_kernel(
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
     DOC_SPLITS: tl.constexpr,
-    EVICT_DOCS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
+    EVICT_DOCS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -377,8 +378,8 @@ def launch(out, Q, D, q_mask, *, config):
         DOCS_PER_PROGRAM=config.docs_per_program,
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
-        EVICT_DOCS=config.evict_docs,
         PEEL_TAIL=config.peel_tail,
+        EVICT_DOCS=config.evict_docs,
         EVEN_LD=Ld % config.block_l == 0,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 411ec33e623149f900cf15cf2a3b7106df948d4b45e1d9d3af1c54c9d3c8d419
+# body-sha256: ca0806894040b5f69fe96327f1a2f9717282529aebfdc0620290463adaa8e19b
 
 """MaxSim forward for maxsim_kd_dmask_bf16_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

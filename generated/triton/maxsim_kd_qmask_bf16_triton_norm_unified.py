@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_bf16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8eace7965eaea46502d6fe292612b7e0e4f8ef54067e73a68ad13204a9ec5233
+# body-sha256: bcef9adfdf789761e1c00add7a7d002fa00127d5ce7cd79d2e3c9ca5a45bf85f
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_bf16_triton_norm_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

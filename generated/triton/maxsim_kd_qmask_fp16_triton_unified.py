@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "kd", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ce61e462283d750bbddd3036a09d466cff0bda71df83f8626c1b4a36c35062ed
+# body-sha256: 2f41ae505cb3b32b509b8a88dd11cb9366e8a9f7003a03f98a52c23ab2fa01c6
 
 """MaxSim training (unified backward) for maxsim_kd_qmask_fp16_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e5187bfb77a132c2e5a1b2c0ea38305c96cef66ecd28be506af33a0a8250233a
+# body-sha256: d014b53545927cdcb2322de0f3f67d8c22e597c6a4807df664bc73ccf74c8654
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 44bc5360c10c87e98b44e2634ec42d83a936f3e259ec28bad327fe02004e7e6b
+# body-sha256: 5e65b585c2309130d42e4a6615b9c4eeb7468b44f0b5112446bef7403a92de11
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

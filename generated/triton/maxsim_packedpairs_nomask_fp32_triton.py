@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fcfcf77676fbf991966def68b84311e45707c64b90bc4c0dba762251869d60b4
+# body-sha256: cceb94d2c65d3c925d93d52efda5bd4fcd651dadfea92b64edd01361e1cffd92
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

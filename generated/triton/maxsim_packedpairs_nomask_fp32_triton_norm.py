@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1607d4b83e253eaa07959fc8704fe947a2a6fce1008a58265f1b7f3cd40ff32f
+# body-sha256: 9c3d02f6f0e652532faef20916f1620fe816f83b2690af10f0134c8b8fae5a44
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

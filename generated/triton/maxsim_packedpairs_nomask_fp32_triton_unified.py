@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c864098dff2153cdc5b19b2859f9be3744ce2daf27884f08805c9b32e813cb47
+# body-sha256: 9b8ac509ba492bd9f282a4c4be9625456e7f042f7d13a678e45e4444969a5ab2
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

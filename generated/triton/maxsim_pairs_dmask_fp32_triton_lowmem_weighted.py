@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 3c7d0974f81db318ef2cd422b1312c012a82c55c1b9746776b254bc29b21d507
+# body-sha256: 173b43f79f916346a9a6d8b37c804fc2c3ecd824792501d8f88f3c7717271e04
 
 """MaxSim training (lowmem backward) for maxsim_pairs_dmask_fp32_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "lowmem"
 SCORE = "weighted"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

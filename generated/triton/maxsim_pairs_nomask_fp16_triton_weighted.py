@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp16_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: ed24ecf67b46dea5e1b33b6ba74973eac3ca33dc879695f759cc306db01e0c2f
+# body-sha256: bf8caab97306686fcd85ddd13c704a2a45bc6ea60e83d01659edc85774e7f11f
 
 """MaxSim forward for maxsim_pairs_nomask_fp16_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "weighted"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

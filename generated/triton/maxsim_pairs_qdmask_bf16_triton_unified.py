@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: df1c3a3dbbe7c2aa4b87d7c0e054bbf41db085d5e0ee85dd184f2a0ac34c3eaa
+# body-sha256: ee16283cd5a9660a5b6c2cafacdc6cd397d7ab4a20c95f4742445fdeae7c6701
 
 """MaxSim training (unified backward) for maxsim_pairs_qdmask_bf16_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

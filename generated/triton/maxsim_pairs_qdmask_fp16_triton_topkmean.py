@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 68e0811a0bd9c9c4620b14976865d5d3dd1f69baa553246a344ec266e73926d4
+# body-sha256: 0dc13b5ff726749985a16b87a72120eafc8e338fcdc22121639810af1b8d6f7a
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "topk_mean"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 580a8cbea01e6ff84cbf1bda4d4f89ac1f50d63936ceb6daa41f1c2251110cb9
+# body-sha256: 6fa8fda335eb57a7ad15db0c61ad0b654afd877423865d1d37d870c354e325cc
 
 """MaxSim forward for maxsim_pairs_qdmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

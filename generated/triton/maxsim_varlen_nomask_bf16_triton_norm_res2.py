@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cce141d933235e08cc2a77da7580980a0cd24e2ce88e2aa9f43734051211b3fd
+# body-sha256: d65e01c225d69bb8d4540044b05f3213d380cacf7d5c1185ed7322c83951c9fb
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

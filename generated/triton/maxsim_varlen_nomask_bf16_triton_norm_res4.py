@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: dd98d58459241ca4e556a52940860bc1c9250a3de22e8f420b31aece4c7e73d9
+# body-sha256: 6441e1dc04041e9c087b2b9fe0b28f594f5f190f8f5c0f48e164a816492c1a0c
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 32c6ef40049245b4579cf870942d7b3e4e8817626a1436673b780a1f29de5e43
+# body-sha256: 6c4ab2324c99a7f8215b8498cc0c9a347ace5e61389b9da20ebbc9d1a1209541
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d5a38b06c5a06e1406a6febf20aec5721044f8f0b489164a23aa63219e3da83f
+# body-sha256: 1e867e207e031d5dd3bf7a9bdfc2237d7a3f213276bacb3868c0c34ba0300b49
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

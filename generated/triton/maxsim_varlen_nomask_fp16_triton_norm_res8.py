@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 32848e39d23a5de90ba74719816e0ddf8c58799d3bd744a4e283b9326f6de4fc
+# body-sha256: f8bf3aa83c830d479bae04abc5531baead984763b8694e32574650e18e309c6a
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

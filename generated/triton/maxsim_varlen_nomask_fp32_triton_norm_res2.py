@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fdfd93c493c4c362fd4ca083c484c63eaf50366d30eae0d72d44cf17a9fc335f
+# body-sha256: 093b5d06415e7ef9d0019cb69e71ab3143be7c7918e390b337822698d1d08749
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit

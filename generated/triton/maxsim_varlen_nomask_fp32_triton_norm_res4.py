@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5a9c3e5e996f98a3c1b638f9cefc16febe25321aba9056b503097efaf6ac430d
+# body-sha256: 192436db0ecd821d8718cb95ea5cfde9aae3112d0801dcc1dc7ade632a771908
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -21,6 +21,7 @@ BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 
 
 @triton.jit
