@@ -188,12 +188,6 @@ def loads_docs_once(config, nq: int, doc_bytes: int) -> bool:
     return rows <= ONCE_MAX_ROWS and nq <= config.query_group and low < doc_bytes <= high
 
 
-def hinted_doc_bytes(module, doc_bytes: int) -> int:
-    """streamed's doc_bytes for a module: 0 where its doc loads take no evict-first hint
-    (compressed PLAID docs, whose bytes are not the dense size either)."""
-    return doc_bytes if getattr(module, "EVICT_DOCS_OPTION", False) else 0
-
-
 def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
     """A streaming kernel's config for one call: blocks of short docs per program in one
     flat loop; token ranges of few long docs, or blocks of many; long docs with a partial
@@ -207,7 +201,7 @@ def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
     nested = nested_docs_per_program(config, nq, nd) if splits == 1 else 1
     config = dataclasses.replace(config, docs_per_program=nested, flat_docs=False,
                                  doc_splits=splits, peel_tail=peels_tail(config, ld))  # fmt: skip
-    if splits == 1 and doc_bytes and loads_docs_once(config, nq, doc_bytes):
+    if splits == 1 and loads_docs_once(config, nq, doc_bytes):
         block_l = min(config.block_l, ONCE_BLOCK_L)
         return dataclasses.replace(config, block_l=block_l, num_warps=1, num_stages=1,
                                    evict_docs=True)  # fmt: skip
@@ -230,9 +224,17 @@ def _keyed_config(
                         lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
     if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
-        doc_bytes = hinted_doc_bytes(module, docs * doc_tokens * Q.shape[-1] * Q.element_size())
-        config = streamed(config, Q.shape[0], docs, doc_tokens, doc_bytes)
+        dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
+        config = streamed_for(module, config, Q.shape[0], docs, doc_tokens, dense_bytes)
     return config
+
+
+def streamed_for(module, config, nq: int, nd: int, ld: int, dense_bytes: int):
+    """streamed() for a streaming module's call, whose docs take dense_bytes stored
+    uncompressed; modules whose doc loads take no evict-first hint (compressed PLAID docs)
+    never get those loads. Calls and `make tune` both shape configs through here."""
+    hinted = getattr(module, "EVICT_DOCS_OPTION", False)
+    return streamed(config, nq, nd, ld, dense_bytes if hinted else 0)
 
 
 # Each call's config by its exact sizes: shapes repeat from call to call, so the hot path

@@ -125,9 +125,9 @@ def forward_run(module, shape):
     out = torch.empty(nq, nd, device="cuda")
 
     def run(config):
-        if getattr(module, "DOC_STREAM", False):  # as dispatch shapes it per call
-            doc_bytes = dispatch.hinted_doc_bytes(module, D.numel() * D.element_size())
-            config = dispatch.streamed(config, nq, nd, ld, doc_bytes)
+        if getattr(module, "DOC_STREAM", False):
+            dense_bytes = D.numel() * D.element_size()
+            config = dispatch.streamed_for(module, config, nq, nd, ld, dense_bytes)
         module.launch(out, Q, D, config=config)
         return (out,)
 

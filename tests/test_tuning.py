@@ -145,6 +145,12 @@ def test_small_reranks_load_their_docs_once_with_evict_first_hints():
     assert not dispatch.streamed(tall, nq=1, nd=400, ld=1024, doc_bytes=10**8).evict_docs
     split = dispatch.streamed(thin, nq=1, nd=1, ld=2**18, doc_bytes=10**8)
     assert split.doc_splits > 1 and not split.evict_docs
+    # Through a module: only those whose doc loads take the hint (not PLAID's).
+    dense = registry.load("maxsim_dense_nomask_bf16_triton")
+    plaid = registry.load("maxsim_dense_nomask_bf16_triton_norm_res2")
+    assert dense.EVICT_DOCS_OPTION and not plaid.EVICT_DOCS_OPTION
+    assert dispatch.streamed_for(dense, thin, 1, 1000, 300, 1000 * 300 * 256).evict_docs
+    assert not dispatch.streamed_for(plaid, thin, 1, 1000, 300, 1000 * 300 * 256).evict_docs
 
 
 def test_long_docs_with_a_partial_tile_peel_it():
