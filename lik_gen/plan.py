@@ -169,6 +169,12 @@ class RenderContext:
         return "EVICT_DOCS" in self.doc_tile_params
 
     @property
+    def residual_words_option(self) -> bool:
+        """Whether the forward's doc-tile hook takes RESIDUAL_WORDS (PLAID residuals read
+        as int32 words)."""
+        return "RESIDUAL_WORDS" in self.doc_tile_params
+
+    @property
     def fwd_options(self) -> tuple[str, ...]:
         """The forward launch's constexpr and launch options ("NAME=expr"), one per feature
         the kernel has. Derived from the final context, after any planner (PLAID, fp8)
@@ -190,6 +196,8 @@ class RenderContext:
             ]
         if self.evict_docs_option:
             options.append("EVICT_DOCS=config.evict_docs")
+        if self.residual_words_option:
+            options.append("RESIDUAL_WORDS=residuals.dtype == torch.int32")
         if self.even_tiles:
             options.append("EVEN_LD=Ld % config.block_l == 0")
         if self.doc_stream:  # peels only when the call's config says so

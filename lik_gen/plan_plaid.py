@@ -10,6 +10,10 @@ them tile by tile in the `load_doc_tile` hook (templates/triton/load_doc_tile/re
     bucket_weights  [2 ** nbits]                        fp16, bf16 or fp32
     doc_lengths     dense only, [B]                     valid tokens per doc, in [0, Ld]
 
+The launcher also takes residuals as their int32 word view ([.., P / 4], P a multiple of 4,
+rows 4-byte aligned: lik.runtime.plaid passes that view whenever torch can make it); the
+kernel then reads whole words per token (constexpr RESIDUAL_WORDS, set from the dtype).
+
 so this module plans the uncompressed variant and replaces its doc tensors, their strides
 and sizes; everything else (query tiles, normalization, reduction, grid) is shared.
 """
@@ -103,7 +107,7 @@ def plan_residual(variant: Variant) -> RenderContext:
         doc_tile_inputs=("Codes", "Residuals", "Centroids", "BucketWeights", "code_base",
                          "residual_base"),
         doc_tile_params=("stride_ct", "stride_rt", "stride_rp", "stride_centn", "stride_centk",
-                         "stride_wb", "n_centroids"),
+                         "stride_wb", "n_centroids", "RESIDUAL_WORDS"),
         doc_bases=(("code_base", "c"), ("residual_base", "r")),
         doc_lengths=dense,
         even_tiles=False,  # a doc ends at its own length

@@ -125,17 +125,25 @@ def test_every_residual_variant_is_declared():
     assert set(RESIDUAL_VARIANTS) == expected
 
 
+# Head dims per storage of the packed residuals: as bytes, 20 is not a power of two (and
+# 5 or 10 bytes per token at nbits 2 or 4); as int32 words (RESIDUAL_WORDS) a token needs a
+# whole number of words, and d 63 at nbits 2 or 4 leaves the last word partly unused.
+RESIDUAL_DIMS = {"bytes": {2: 20, 4: 20, 8: 20}, "words": {2: 63, 4: 63, 8: 20}}
+
+
 @needs_kernels
+@pytest.mark.parametrize("storage", list(RESIDUAL_DIMS))
 @pytest.mark.parametrize("name", RESIDUAL_VARIANTS)
-def test_variant_matches_reference(name):
+def test_variant_matches_reference(name, storage):
     variant = Variant.parse(name)
     nbits = int(name[-1])
     dtype = TORCH_DTYPE[variant.dtype.value]
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     # Odd sizes: 3 queries (a partial query group), Ld 37 (a partial second doc tile),
-    # d 20 (not a power of two), lengths Ld, 0 and 1 among the docs.
-    B, Ld, dim, Nq, Lq = 3, 37, 20, 3, 5
+    # lengths Ld, 0 and 1 among the docs.
+    B, Ld, dim, Nq, Lq = 3, 37, RESIDUAL_DIMS[storage][nbits], 3, 5
     codes, residuals, centroids, weights = synthetic_index(g, B, Ld, dim, nbits, dtype=dtype)
+    stored = residuals.view(torch.int32) if storage == "words" else residuals
     lengths = torch.tensor([Ld, 0, 1])
     Q = torch.randn(Nq, Lq, dim, generator=g)
     ref = maxsim_residual_reference(Q.double(), codes, residuals, lengths, centroids.double(),
@@ -144,10 +152,10 @@ def test_variant_matches_reference(name):
     Qd, c, w = _to(DEVICE, Q, centroids, weights)
     module, config = _config(name, Qd)
     if variant.layout.value == "dense":
-        module.launch(out, Qd, *_to(DEVICE, codes, residuals), c, w, lengths.to(DEVICE),
+        module.launch(out, Qd, *_to(DEVICE, codes, stored), c, w, lengths.to(DEVICE),
                       config=config)  # fmt: skip
     else:
-        flat_codes, flat_residuals, cu = _to(DEVICE, *_flatten(codes, residuals, lengths))
+        flat_codes, flat_residuals, cu = _to(DEVICE, *_flatten(codes, stored, lengths))
         packed = Qd.reshape(Nq * Lq, dim)
         cu_q = torch.arange(Nq + 1, dtype=torch.int32, device=DEVICE) * Lq
         module.launch(out, packed, flat_codes, flat_residuals, c, w, cu_q, cu,
@@ -203,6 +211,38 @@ def test_edge_shapes(case):
         assert out.shape == expected_shape and out.dtype == torch.float32
         assert not torch.isnan(out).any()
         assert relative_error(out, ref) < _bound(torch.float16), case
+
+
+def test_residuals_reach_the_kernel_as_words_when_torch_can_view_them():
+    aligned = torch.zeros(5, 7, 32, dtype=torch.uint8)
+    assert plaid._residual_words(aligned).dtype == torch.int32
+    assert plaid._residual_words(aligned).shape == (5, 7, 8)
+    assert plaid._residual_words(aligned[:, 2:]).dtype == torch.int32  # whole rows off
+    for bytes_only in (
+        torch.zeros(5, 7, 6, dtype=torch.uint8),  # 6 bytes per token
+        torch.zeros(5 * 7 * 32 + 1, dtype=torch.uint8)[1:].view(5, 7, 32),  # odd address
+        torch.zeros(5, 7, 33, dtype=torch.uint8)[:, :, :32],  # 33-byte rows
+    ):
+        assert plaid._residual_words(bytes_only) is bytes_only
+
+
+@needs_kernels
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_misaligned_residuals_score_like_aligned_ones(nbits):
+    """The public entries read residuals at any address: an index sliced at an odd byte
+    offset takes the byte path and scores like an aligned copy (the word path)."""
+    codes, residuals, lengths, centroids, weights, g = _index(nbits, B=5, Ld=11, dim=64)
+    Q = torch.randn(3, 6, 64, generator=g)
+    aligned = residuals.to(DEVICE)
+    shifted = torch.empty(residuals.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:]
+    shifted = shifted.view(residuals.shape).copy_(aligned)
+    ref = maxsim_residual_reference(Q.double(), codes, residuals, lengths, centroids.double(),
+                                    weights.double(), nbits)  # fmt: skip
+    Qd, c, lens, cent, w = _to(DEVICE, Q, codes, lengths, centroids, weights)
+    for stored in (aligned, shifted):
+        assert (plaid._residual_words(stored) is stored) == (stored is shifted)
+        out = plaid.maxsim_residual(Qd, c, stored, lens, cent, w, nbits)
+        assert relative_error(out, ref) < _bound(torch.float16)
 
 
 @needs_kernels

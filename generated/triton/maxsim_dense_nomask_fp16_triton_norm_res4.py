@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: aeb6a89907cee9386aa28847970e9aede01eb58bbfcdf1a22d2a0050d6b7d1da
+# body-sha256: 1ec3b8265262f5d332b33f66f6db3f20f8011183d27a59170aac320575031209
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -37,11 +37,57 @@ def _inv_l2_norm(x):
 
 
 @triton.jit
-def _reverse_bits(byte):
-    """The 8 low bits of each int32 element in reverse order (bit 0 <-> bit 7)."""
-    byte = ((byte & 0xF0) >> 4) | ((byte & 0x0F) << 4)
-    byte = ((byte & 0xCC) >> 2) | ((byte & 0x33) << 2)
-    return ((byte & 0xAA) >> 1) | ((byte & 0x55) << 1)
+def _reverse_byte_bits(word):
+    """Each byte of each uint32 element with its bits in reverse order (bit 0 <-> bit 7).
+    Masks under 2**31 and logical shifts: the same code for a byte or a word of four."""
+    word = ((word >> 4) & 0x0F0F0F0F) | ((word & 0x0F0F0F0F) << 4)
+    word = ((word >> 2) & 0x33333333) | ((word & 0x33333333) << 2)
+    return ((word >> 1) & 0x55555555) | ((word & 0x55555555) << 1)
+
+
+@triton.jit
+def _bucket_ids(
+    Residuals,
+    residual_base,
+    offs_t,
+    offs_k,
+    in_doc,
+    valid,
+    dim,
+    stride_rt,
+    stride_rp,
+    RESIDUAL_WORDS: tl.constexpr,
+):
+    """The [BLOCK_L, BLOCK_K] bucket ids of tokens offs_t (0 where not valid)."""
+    if RESIDUAL_WORDS:
+        # Residuals is the int32 word view of the packed bytes: one vector load of a few
+        # words per token, then every dim's bits shifted out of its word in registers
+        # (loading a byte per dim took twice as long: probe, H100 and H200).
+        PER_WORD: tl.constexpr = 32 // 4
+        offs_w = tl.arange(0, offs_k.shape[0] // PER_WORD)
+        words = tl.load(
+            Residuals + residual_base + offs_t[:, None] * stride_rt + offs_w[None, :] * stride_rp,
+            mask=in_doc[:, None] & (offs_w[None, :] * PER_WORD < dim),
+            other=0,
+        )
+        words = _reverse_byte_bits(words.to(tl.uint32, bitcast=True))
+        shifts = tl.arange(0, PER_WORD) * 4
+        bucket = tl.reshape(
+            words[:, :, None] >> shifts[None, None, :], [offs_t.shape[0], offs_k.shape[0]]
+        )
+    else:
+        # All bits of one dim's bucket share a byte (8 is a multiple of nbits).
+        first_bit = offs_k * 4
+        packed = tl.load(
+            Residuals
+            + residual_base
+            + offs_t[:, None] * stride_rt
+            + (first_bit // 8)[None, :] * stride_rp,
+            mask=valid,
+            other=0,
+        )
+        bucket = _reverse_byte_bits(packed.to(tl.uint32)) >> (first_bit % 8)[None, :]
+    return (bucket & ((1 << 4) - 1)).to(tl.int32)
 
 
 @triton.jit
@@ -63,6 +109,7 @@ def _load_doc_tile(
     stride_centk,
     stride_wb,
     n_centroids,
+    RESIDUAL_WORDS: tl.constexpr,
 ):
     """Doc tokens offs_t of one document decoded from 4-bit residuals, in fp32;
     zeros past Ld and dim. A code outside [0, n_centroids) decodes to NaN: the doc's score
@@ -77,18 +124,19 @@ def _load_doc_tile(
         mask=valid,
         other=0.0,
     )
-    # All bits of one dim's bucket share a byte (8 is a multiple of nbits).
-    first_bit = offs_k * 4
-    packed = tl.load(
-        Residuals
-        + residual_base
-        + offs_t[:, None] * stride_rt
-        + (first_bit // 8)[None, :] * stride_rp,
-        mask=valid,
-        other=0,
+    bucket = _bucket_ids(
+        Residuals,
+        residual_base,
+        offs_t,
+        offs_k,
+        in_doc,
+        valid,
+        dim,
+        stride_rt,
+        stride_rp,
+        RESIDUAL_WORDS,
     )
-    bucket = (_reverse_bits(packed.to(tl.int32)) >> (first_bit % 8)[None, :]) & ((1 << 4) - 1)
-    # 4 to 256 entries, cache-resident; 64-bit like every other offset times a stride.
+    # 16 or 256 entries, cache-resident; 64-bit like every other offset times a stride.
     weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
     value = centroid.to(tl.float32) + weight.to(tl.float32)
     value = tl.where(code_ok[:, None], value, float("nan"))
@@ -137,6 +185,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
     DOC_SPLITS: tl.constexpr,
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
+    RESIDUAL_WORDS: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -215,6 +264,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                         stride_centk,
                         stride_wb,
                         n_centroids,
+                        RESIDUAL_WORDS,
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -243,6 +293,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                             stride_centk,
                             stride_wb,
                             n_centroids,
+                            RESIDUAL_WORDS,
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -274,6 +325,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                             stride_centk,
                             stride_wb,
                             n_centroids,
+                            RESIDUAL_WORDS,
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -305,6 +357,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                         stride_centk,
                         stride_wb,
                         n_centroids,
+                        RESIDUAL_WORDS,
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -375,6 +428,7 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                 stride_centk,
                 stride_wb,
                 n_centroids,
+                RESIDUAL_WORDS,
             )
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -532,6 +586,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         FLAT_DOCS=config.flat_docs,
         DOC_SPLITS=splits,
         PEEL_TAIL=config.peel_tail,
+        RESIDUAL_WORDS=residuals.dtype == torch.int32,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )
 
