@@ -79,9 +79,10 @@ def default_config(key: KernelKey) -> dict[str, int]:
     stages = 3
     if any(f"_res{nbits}" in key.variant for nbits in (2, 4, 8)):
         # Decoding a residual tile (centroid gather, bit unpacking) is register-heavy:
-        # small unpipelined tiles ran 4-7x faster than the default on an H200
-        # (1000 docs, nbits 2: 0.09 vs 0.52 ms, benchmarks/bench_plaid.py --sweep).
-        block_l, stages = 32, 1
+        # unpipelined tiles ran 4-7x faster than 3 stages (H200, 1000 docs, nbits 2: 0.09
+        # vs 0.52 ms), and 64-token tiles on 4 warps were the fastest or within 15% of it
+        # on each case of benchmarks/bench_plaid.py --sweep (H100, word-read residuals).
+        stages = 1
     return {"block_l": block_l, "num_warps": num_warps, "num_stages": stages, "block_n": 8,
             "query_group": query_group}  # fmt: skip
 
