@@ -197,9 +197,16 @@ def _per_token(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def fp8_tiles(config, device: torch.device):
     """A launch config with the tile minimums of fp8 dots: K >= 32 everywhere, and on
     Hopper-class GPUs a query tile of at least 64 rows (masked padding)."""
+    return _fp8_tiles(config, gpu_family(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_tiles(config, family: str):
+    # Cached per (config, family): a few configs recur, and rebuilding one per call was a
+    # measurable part of a rerank's host time.
     if config.block_k < FP8_MIN_BLOCK_K:
         config = dataclasses.replace(config, block_k=FP8_MIN_BLOCK_K)
-    min_rows = FP8_MIN_ROWS.get(gpu_family(device), 0)
+    min_rows = FP8_MIN_ROWS.get(family, 0)
     if config.block_q * config.query_group < min_rows:
         config = dataclasses.replace(config, block_q=min_rows // config.query_group)
     return config

@@ -48,7 +48,13 @@ def gpu_family(device: torch.device) -> str:
     """Tuning-table family of a device: the GPU generation, or 'interpreter' on CPU."""
     if device.type != "cuda":
         return "interpreter"
-    major, minor = torch.cuda.get_device_capability(device)
+    return _cuda_family(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_family(index: int) -> str:
+    # Cached: reading the capability costs ~10 us per call, in calls of a few tens of us.
+    major, minor = torch.cuda.get_device_capability(index)
     if torch.version.hip is not None:
         return "rocm"
     if major >= 10:

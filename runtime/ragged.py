@@ -18,6 +18,7 @@ end at the packed length), raising ValueError on bad ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -51,6 +52,13 @@ def _packed(name: str, value: object) -> torch.Tensor:
     if value.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be fp32, fp16 or bf16, got {value.dtype}")
     return value
+
+
+@functools.lru_cache(maxsize=64)
+def uniform_offsets(count: int, length: int, device: torch.device) -> torch.Tensor:
+    """int32 offsets [count + 1] of count packed sequences of `length` tokens each.
+    Cached (kernels only read them): building them took two launches per call."""
+    return torch.arange(count + 1, dtype=torch.int32, device=device) * length
 
 
 def _offsets(name: str, value: object, total: int, device: torch.device) -> torch.Tensor:
