@@ -5,7 +5,10 @@ kernels take a few microseconds, so calls issued back to back are paced by the h
 Rows: lik.maxsim; the same call with the generated module's launch replaced by a no-op
 (lik's own Python path: checks, dispatch, allocation); the generated launcher alone
 (its Python plus Triton's launch of the compiled kernel); late-interaction-kernels
-0.4.5 and flash-maxsim 0.3.0 on the same inputs.
+0.4.5 and flash-maxsim 0.3.0 on the same inputs. Then the other rerank entries on the
+same docs: PLAID residuals (nbits 2, 1024 fp16 centroids; varlen with max_seqlen_d, as
+an index that knows its longest doc passes it) and fp8 with per-tensor scales, each
+beside late-interaction-kernels 0.4.5's entry of the same name.
 
     python3 benchmarks/bench_host.py --out DIR [--calls 2000]
 """
@@ -88,6 +91,48 @@ def calls(q, docs) -> dict:
     for label, (package, function) in peers.items():
         fn, error = attempt(lambda p=package, f=function: getattr(__import__(p), f))
         table[label] = (lambda fn=fn: fn(q, docs)) if fn else f"error: {error}"
+    table.update(compressed_calls(q, docs))
+    return table
+
+
+def compressed_calls(q, docs) -> dict:
+    """Label -> call: PLAID (dense and varlen) and fp8 reranks of the same docs, lik's
+    and late-interaction-kernels 0.4.5's."""
+    from lik.runtime import fp8, plaid
+
+    g = torch.Generator().manual_seed(2)
+    nd, ld, dim = docs.shape
+    device = q.device
+    codes = torch.randint(0, 1024, (nd, ld), generator=g, dtype=torch.int32).to(device)
+    residuals = torch.randint(0, 256, (nd, ld, dim * 2 // 8), generator=g, dtype=torch.uint8)
+    residuals = residuals.to(device)
+    lengths = torch.full((nd,), ld, dtype=torch.int32, device=device)
+    cu = torch.arange(nd + 1, dtype=torch.int32, device=device) * ld
+    centroids = torch.nn.functional.normalize(torch.randn(1024, dim, generator=g), dim=-1)
+    centroids = centroids.half().to(device)
+    weights = torch.sort(torch.randn(4, generator=g) * 0.03).values.half().to(device)
+    qh = q.half()
+    dense = (qh, codes, residuals, lengths, centroids, weights, 2)
+    flat = (qh, codes.flatten(), residuals.flatten(0, 1), cu, centroids, weights, 2)
+    q8, scale_q = fp8.quantize_fp8_per_tensor(q)
+    d8, scale_d = fp8.quantize_fp8_per_tensor(docs)
+    table = {
+        "lik plaid.maxsim_residual": lambda: plaid.maxsim_residual(*dense),
+        "lik plaid.maxsim_residual_varlen": lambda: plaid.maxsim_residual_varlen(
+            *flat, max_seqlen_d=ld),
+        "lik fp8.maxsim_inference_fp8": lambda: fp8.maxsim_inference_fp8(
+            q8, d8, scale_Q=scale_q, scale_D=scale_d),
+    }  # fmt: skip
+    peer, error = attempt(lambda: __import__("late_interaction_kernels.plaid").plaid)
+    peer_fp8, error_fp8 = attempt(lambda: __import__("late_interaction_kernels.fp8").fp8)
+    table["LIK 0.4.5 plaid.maxsim_residual"] = (
+        (lambda: peer.maxsim_residual(*dense)) if peer else f"error: {error}")
+    table["LIK 0.4.5 plaid.maxsim_residual_varlen"] = (
+        (lambda: peer.maxsim_residual_varlen(*flat, max_seqlen_d=ld)) if peer
+        else f"error: {error}")  # fmt: skip
+    table["LIK 0.4.5 fp8.maxsim_inference_fp8"] = (
+        (lambda: peer_fp8.maxsim_inference_fp8(q8, d8, scale_Q=scale_q, scale_D=scale_d))
+        if peer_fp8 else f"error: {error_fp8}")  # fmt: skip
     return table
 
 
@@ -106,7 +151,10 @@ def run(calls_per_repeat: int) -> dict:
             report["us"][label] = fn
             continue
         else:
-            us = per_call_us(fn, calls_per_repeat)
+            us, error = attempt(lambda fn=fn: per_call_us(fn, calls_per_repeat))
+            if error:
+                report["us"][label] = f"error: {error}"
+                continue
         report["us"][label] = us
         print(f"{label}: {us:.1f} us", flush=True)
     return report
@@ -119,7 +167,8 @@ def markdown(report: dict) -> str:
     env = report["env"]
     return (f"# Host work per call on {report['gpu']}\n\n{env['date']}; commit "
             f"{env['commit'] or 'unknown'}; torch {env['torch']}, triton {env['triton']}.\n\n"
-            f"Tiny shape ({shape}, bf16): calls back to back are paced by the host. "
+            f"Tiny shape ({shape}; bf16, or PLAID / fp8 docs of that shape): calls back to "
+            "back are paced by the host. "
             f"Microseconds per call, best of {REPEATS} x {report['calls']} calls, one sync "
             "each.\n\n" + markdown_table(["call", "us per call"], rows) + "\n")  # fmt: skip
 
