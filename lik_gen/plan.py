@@ -90,6 +90,15 @@ class Formula:
     doc: str
 
 
+# Constexprs a doc-tile hook may take (named among its doc_tile_params), each with the
+# launcher expression that sets it per call: evict-first loads of uncompressed docs
+# (dispatch.loads_docs_once), PLAID residuals read as int32 words (plaid._residual_words).
+DOC_TILE_CONSTEXPRS = {
+    "EVICT_DOCS": "config.evict_docs",
+    "RESIDUAL_WORDS": "residuals.dtype == torch.int32",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderContext:
     name: str
@@ -164,15 +173,15 @@ class RenderContext:
     bwd_route_dynamic: tuple[str, ...] = ()
 
     @property
-    def evict_docs_option(self) -> bool:
-        """Whether the forward's doc-tile hook takes EVICT_DOCS (config.evict_docs)."""
-        return "EVICT_DOCS" in self.doc_tile_params
+    def doc_tile_constexprs(self) -> tuple[str, ...]:
+        """The constexprs the doc-tile hook takes (kernel parameters, set per call by the
+        launcher from DOC_TILE_CONSTEXPRS)."""
+        return tuple(name for name in self.doc_tile_params if name in DOC_TILE_CONSTEXPRS)
 
     @property
-    def residual_words_option(self) -> bool:
-        """Whether the forward's doc-tile hook takes RESIDUAL_WORDS (PLAID residuals read
-        as int32 words)."""
-        return "RESIDUAL_WORDS" in self.doc_tile_params
+    def evict_docs_option(self) -> bool:
+        """Whether the forward's doc-tile hook takes EVICT_DOCS (config.evict_docs)."""
+        return "EVICT_DOCS" in self.doc_tile_constexprs
 
     @property
     def fwd_options(self) -> tuple[str, ...]:
@@ -194,10 +203,7 @@ class RenderContext:
                 "DOC_SPLITS=splits",
                 "PEEL_TAIL=config.peel_tail",
             ]
-        if self.evict_docs_option:
-            options.append("EVICT_DOCS=config.evict_docs")
-        if self.residual_words_option:
-            options.append("RESIDUAL_WORDS=residuals.dtype == torch.int32")
+        options += [f"{name}={DOC_TILE_CONSTEXPRS[name]}" for name in self.doc_tile_constexprs]
         if self.even_tiles:
             options.append("EVEN_LD=Ld % config.block_l == 0")
         if self.doc_stream:  # peels only when the call's config says so

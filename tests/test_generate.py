@@ -10,6 +10,8 @@ import pytest
 from helpers import jit_functions
 
 from lik_gen.cli import main
+from lik_gen.ir import Variant
+from lik_gen.plan import plan
 from lik_gen.render import render_all
 from lik_gen.spec import load_specs
 from lik_gen.write import body_matches_header, check, sync
@@ -214,3 +216,19 @@ def test_list_and_explain(capsys):
     assert "triton/load_doc_tile/none.py.j2" in text
     assert main(["explain", "maxsim_pairs_dmask"]) == 1
     assert "did you mean" in capsys.readouterr().err
+
+
+def test_doc_tile_hook_constexprs_reach_kernel_and_launcher():
+    """A hook's constexprs (DOC_TILE_CONSTEXPRS) become forward parameters set per call:
+    evict-first loads for streamed uncompressed docs, word reads for PLAID residuals."""
+    streamed = plan(Variant.parse("maxsim_dense_nomask_bf16_triton"))
+    residual = plan(Variant.parse("maxsim_dense_nomask_fp16_triton_norm_res2"))
+    training = plan(Variant.parse("maxsim_dense_nomask_bf16_triton_lowmem"))
+    assert streamed.doc_tile_constexprs == ("EVICT_DOCS",)
+    assert residual.doc_tile_constexprs == ("RESIDUAL_WORDS",)
+    assert training.doc_tile_constexprs == ()
+    assert "EVICT_DOCS=config.evict_docs" in streamed.fwd_options
+    assert "RESIDUAL_WORDS=residuals.dtype == torch.int32" in residual.fwd_options
+    text = (ROOT / "generated" / "triton" / f"{residual.name}.py").read_text()
+    assert "    RESIDUAL_WORDS: tl.constexpr,\n):" in text
+    assert "EVICT_DOCS" not in text.replace("EVICT_DOCS_OPTION = False", "")
