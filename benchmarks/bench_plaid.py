@@ -4,6 +4,7 @@ in one run on one card.
 
     python3 benchmarks/bench_plaid.py --out DIR [--quick]
     python3 benchmarks/bench_plaid.py --out DIR --dry-run   # CPU interpreter, tiny sizes
+    python3 benchmarks/bench_plaid.py --out DIR --sweep --write-table   # retune PLAID keys
 
 One query (Lq 32, d 128) against 1000 and 4096 candidate docs of 64-300 tokens, nbits 2
 and 4, fp16 centroids (65536 of them, as an index of a few million passages has), int32
@@ -52,6 +53,7 @@ PARITY_DOCS = 48
 # not from L2 left warm by the previous call (the centroid table is shared, as in a real
 # index, and may stay in L2: the floor still counts its reads at copy bandwidth).
 ROTATION_BYTES = 256e6
+TUNING_DIR = Path(__file__).resolve().parents[1] / "runtime" / "tuning"
 MAX_SETS = 8
 
 
@@ -189,14 +191,28 @@ def sweep_case(n_docs: int, nbits: int, args, timing) -> dict:
                         size_class(n_docs), 1)  # fmt: skip
         found[layout] = _sweep_layout(module, launch, default, n_docs, args.dim, timing)
         found[layout]["table_key"] = key.table_key()
-        best = found[layout]["best"]
-        if best:
+        found[layout]["shape"] = f"plaid-{n_docs}-nbits{nbits}"
+        if found[layout]["best"]:
             print(f'  {layout:6s} default {found[layout]["default_ms"]:.3f} ms; best '
-                  f'{best[0]:.3f} ms: "{key.table_key()}" = {{ block_l = {best[1]}, '
-                  f"num_warps = {best[2]}, num_stages = {best[3]}, query_group = 1, "
-                  f'block_n = 8, ms = {best[0]:.4f}, shape = "plaid-{n_docs}-nbits{nbits}" }}',
-                  flush=True)  # fmt: skip
+                  f'{found[layout]["best"][0]:.3f} ms: {key.table_key()}', flush=True)
     return found
+
+
+def table_entries(sweeps: dict, card: str) -> dict[str, dict]:
+    """Tuning-table entries (runtime/tuning/<family>.toml) of each swept case's fastest
+    config per layout: {table key: entry}, as `make tune` writes them."""
+    entries = {}
+    for found in sweeps.values():
+        for result in found.values():
+            if not result.get("best"):
+                continue
+            ms, block_l, warps, stages = result["best"]
+            entries[result["table_key"]] = {
+                "block_l": block_l, "num_warps": warps, "num_stages": stages,
+                "query_group": 1, "block_n": 8, "ms": round(ms, 4),
+                "shape": result["shape"], "card": card,
+            }  # fmt: skip
+    return entries
 
 
 def _sweep_layout(module, launch, default, n_docs: int, dim: int, timing) -> dict:
@@ -223,6 +239,20 @@ def _sweep_layout(module, launch, default, n_docs: int, dim: int, timing) -> dic
         "best": timings[0] if timings else None,
         "all": timings,
     }
+
+
+def write_sweep_table(directory: Path, entries: dict[str, dict]) -> None:
+    """Merges entries into this GPU family's table (keys not swept here are kept), written
+    into directory the way `make tune` writes it."""
+    from lik.runtime.keys import gpu_family
+    from lik.runtime.tune import write_table
+    from lik.runtime.tuning import load_table
+
+    family = gpu_family(torch.device("cuda"))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{family}.toml"
+    write_table(path, family, {**load_table(family), **entries})
+    print(f"wrote {len(entries)} entries into {path}", flush=True)
 
 
 def markdown(report: dict) -> str:
@@ -259,6 +289,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true",
                         help="also time lik's kernels under each launch config of SWEEP")
+    parser.add_argument("--write-table", type=Path, nargs="?", const=TUNING_DIR, default=None,
+                        metavar="DIR",
+                        help="with --sweep: merge the fastest configs into this GPU "
+                             "family's tuning table, <family>.toml in DIR (default: the "
+                             "committed runtime/tuning)")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU under the Triton interpreter, tiny sizes, no peers")  # fmt: skip
     args = parser.parse_args(argv)
@@ -287,6 +322,8 @@ def main(argv=None) -> int:
                 series[f"vs LIK 0.4.5 {layout}"].append(peer / own if peer and own else None)
             if args.sweep and not args.dry_run:
                 report.setdefault("sweep", {})[case] = sweep_case(n_docs, nbits, args, timing)
+    if args.write_table and report.get("sweep"):
+        write_sweep_table(args.write_table, table_entries(report["sweep"], report["gpu"]))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"plaid_{gpu_tag(report['gpu'])}"
     write_json(args.out / f"{stem}.json", report)

@@ -29,3 +29,29 @@ def test_read_kernels_sum_every_element(n, evict_first):
     read_ceiling._block_sum[(blocks,)](x, partial, n, BLOCK=block, EVICT_FIRST=evict_first)
     assert partial[blocks:].abs().sum().item() == 0  # one partial per block, no more
     assert partial.double().sum().item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_plaid_sweep_winners_become_table_entries(tmp_path):
+    """bench_plaid --sweep --write-table: each case's fastest config per layout becomes
+    the entry `make tune` would write, and the table reads back through tomllib."""
+    import tomllib
+
+    bench_plaid = pytest.importorskip("bench_plaid")
+    from lik.runtime.tune import write_table
+
+    sweeps = {
+        "1000 docs, nbits 2": {
+            "dense": {"best": (0.05251, 64, 4, 1), "table_key": "a_res2|128|32|s|q1",
+                      "shape": "plaid-1000-nbits2"},
+            "varlen": {"best": None, "table_key": "b_res2|128|32|s|q1",
+                       "shape": "plaid-1000-nbits2"},
+        },
+    }  # fmt: skip
+    entries = bench_plaid.table_entries(sweeps, "NVIDIA H100 80GB HBM3")
+    assert entries == {"a_res2|128|32|s|q1": {
+        "block_l": 64, "num_warps": 4, "num_stages": 1, "query_group": 1, "block_n": 8,
+        "ms": 0.0525, "shape": "plaid-1000-nbits2", "card": "NVIDIA H100 80GB HBM3"}}  # fmt: skip
+    kept = {"other|128|32|m|q1": {"block_l": 32, "num_warps": 8, "num_stages": 3}}
+    write_table(tmp_path / "hopper.toml", "hopper", {**kept, **entries})
+    table = tomllib.loads((tmp_path / "hopper.toml").read_text())["configs"]
+    assert table == {**kept, **entries}
