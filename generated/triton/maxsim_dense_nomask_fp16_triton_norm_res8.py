@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2c10cac88d6ee8a87b896fc00a4af44afb32081c8ffa1e5ee9a48fe2864518ab
+# body-sha256: 74a416089e0b9e6bd9fef3a77a329aca6ca76a2beff7d39eb78d667f7d91e47d
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -58,11 +58,13 @@ def _bucket_ids(
     stride_rp,
     RESIDUAL_WORDS: tl.constexpr,
 ):
-    """The [BLOCK_L, BLOCK_K] bucket ids of tokens offs_t (0 where not valid)."""
+    """The [BLOCK_L, BLOCK_K] bucket ids of tokens offs_t; where not valid (past the doc
+    or past dim) they are unspecified, and the caller masks them."""
     if RESIDUAL_WORDS:
         # Residuals is the int32 word view of the packed bytes: one vector load of a few
         # words per token, then every dim's bits shifted out of its word in registers
-        # (loading a byte per dim took twice as long: probe, H100 and H200).
+        # (a load of the byte per dim took twice as long on H100 and H200:
+        # benchmarks/results/plaid_decode_probe.md).
         PER_WORD: tl.constexpr = 32 // 8
         offs_w = tl.arange(0, offs_k.shape[0] // PER_WORD)
         words = tl.load(
