@@ -78,16 +78,17 @@ def templates_used(env: jinja2.Environment, name: str, ctx: RenderContext) -> li
         if current in seen or not current:
             continue
         seen.append(current)
-        ast = _parsed(env, current)
-        for node in ast.find_all((jinja2.nodes.Include, jinja2.nodes.Import)):
-            pending.append(_include_target(node.template, ctx))
+        pending += [_include_target(target, ctx) for target in _include_targets(env, current)]
     return sorted(seen)
 
 
 @functools.cache
-def _parsed(env: jinja2.Environment, name: str) -> jinja2.nodes.Template:
-    """A template's AST, parsed once per environment (hundreds of variants share it)."""
-    return env.parse(env.loader.get_source(env, name)[0])  # type: ignore[union-attr]
+def _include_targets(env: jinja2.Environment, name: str) -> tuple[jinja2.nodes.Expr, ...]:
+    """What a template includes or imports (names or ctx attributes), found in its parsed
+    source once per environment: walking the tree per variant was half of `generate`."""
+    source = env.loader.get_source(env, name)[0]  # type: ignore[union-attr]
+    nodes = env.parse(source).find_all((jinja2.nodes.Include, jinja2.nodes.Import))
+    return tuple(node.template for node in nodes)
 
 
 def _include_target(node: jinja2.nodes.Expr, ctx: RenderContext) -> str:
