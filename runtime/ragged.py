@@ -54,10 +54,25 @@ def _packed(name: str, value: object) -> torch.Tensor:
     return value
 
 
-@functools.lru_cache(maxsize=64)
 def uniform_offsets(count: int, length: int, device: torch.device) -> torch.Tensor:
-    """int32 offsets [count + 1] of count packed sequences of `length` tokens each.
-    Cached (kernels only read them): building them took two launches per call."""
+    """int32 offsets [count + 1] of count packed sequences of `length` tokens each,
+    cached per stream (kernels only read them; building them took two launches per call).
+    Inside a CUDA graph capture they are built afresh: a tensor made there holds its
+    values only when the graph replays."""
+    if device.type != "cuda":
+        return _uniform_offsets(count, length, device, 0)
+    if torch.cuda.is_current_stream_capturing():
+        return _arange_offsets(count, length, device)
+    stream = torch.cuda.current_stream(device).cuda_stream  # later launches there see them
+    return _uniform_offsets(count, length, device, stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform_offsets(count: int, length: int, device: torch.device, stream: int):
+    return _arange_offsets(count, length, device)
+
+
+def _arange_offsets(count: int, length: int, device: torch.device) -> torch.Tensor:
     return torch.arange(count + 1, dtype=torch.int32, device=device) * length
 
 

@@ -224,3 +224,12 @@ def test_variants_exist_for_every_ragged_call():
     for layout in ("varlen", "packedpairs"):
         for suffix in ("", "_unified"):
             assert f"maxsim_{layout}_nomask_bf16_triton_norm{suffix}" in registry.names()
+
+
+def test_uniform_offsets_are_built_once_per_shape():
+    from lik.runtime.ragged import uniform_offsets
+
+    offsets = uniform_offsets(3, 5, torch.device("cpu"))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 5, 10, 15]
+    assert uniform_offsets(3, 5, torch.device("cpu")) is offsets
+    assert uniform_offsets(3, 6, torch.device("cpu")).tolist() == [0, 6, 12, 18]
