@@ -349,6 +349,7 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
         return out
     name = _variant("varlen", centroids, nbits)
     module = registry.load(name)
+    residuals = _residual_words(residuals)  # once for every query chunk
     for start, stop in _query_chunks(Lq):
         lq = stop - start
         # The varlen kernel reads packed queries: a padded [Nq, lq, d] batch is Nq
@@ -364,7 +365,7 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
             target,
             packed,
             codes,
-            _residual_words(residuals),
+            residuals,
             centroids,
             bucket_weights,
             cu_q,
