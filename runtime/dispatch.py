@@ -168,17 +168,17 @@ def nested_docs_per_program(config, nq: int, nd: int) -> int:
 
 # A rerank by one thin query tile (at most ONCE_MAX_ROWS rows: it reads each doc once)
 # of more than an L2 of docs but at most a few (ONCE_DOC_BYTES) loads its doc tiles
-# straight to registers with an evict-first hint, ONCE_BLOCK_L tokens at a time on one
-# warp, instead of pipelining them: L2 lines that earlier kernels left dirty then stay
-# put instead of being written back as the docs stream through, up to an L2 (50 MB) of
-# writes the rerank would otherwise wait on. Triton's pipelined loads carry no such hint.
+# straight to registers with an evict-first hint instead of pipelining them: L2 lines
+# that earlier kernels left dirty then stay put instead of being written back as the docs
+# stream through, up to an L2 (50 MB) of writes the rerank would otherwise wait on.
+# Triton's pipelined loads carry no such hint. Such loads want their own tile and warps,
+# so they have their own tuning key (kernel "once"; defaults: lik.runtime.tuning).
 # On an H100 (benchmarks/results/rerank_evict_first_H100.md; do_bench overwrites L2
 # before each call): 1000 docs of 300 tokens 0.040 -> 0.037 ms, of 512 0.059 -> 0.056,
 # lateon-edge 0.049 -> 0.047; under an L2 of docs the lean pipeline lost (100 docs of
 # 180 tokens 0.010 -> 0.013), and at 1000 docs of 1024 tokens (262 MB) it gained nothing.
 ONCE_MAX_ROWS = 64
 ONCE_DOC_BYTES = (64 << 20, 128 << 20)
-ONCE_BLOCK_L = 32
 
 
 def loads_docs_once(config, nq: int, doc_bytes: int) -> bool:
@@ -191,7 +191,8 @@ def loads_docs_once(config, nq: int, doc_bytes: int) -> bool:
 def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
     """A streaming kernel's config for one call: blocks of short docs per program in one
     flat loop; token ranges of few long docs, or blocks of many; long docs with a partial
-    last tile peel it; a small rerank's docs load once with evict-first hints. doc_bytes:
+    last tile peel it; a small rerank's docs load once, unpipelined, with evict-first
+    hints (their tile and warps then come from the "once" key: with_once_tiles). doc_bytes:
     the docs' size (0: unknown, no such loads). (Called once per call shape: _config
     remembers the result.)"""
     blocks = streamed_blocks(config, nq, nd, ld)
@@ -202,19 +203,18 @@ def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
     config = dataclasses.replace(config, docs_per_program=nested, flat_docs=False,
                                  doc_splits=splits, peel_tail=peels_tail(config, ld))  # fmt: skip
     if splits == 1 and loads_docs_once(config, nq, doc_bytes):
-        block_l = min(config.block_l, ONCE_BLOCK_L)
-        return dataclasses.replace(config, block_l=block_l, num_warps=1, num_stages=1,
-                                   evict_docs=True)  # fmt: skip
+        return dataclasses.replace(config, num_stages=1, evict_docs=True)
     return config
 
 
-def _keyed_config(
-    name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int, doc_tokens: int,
-    kernel: str,
-):  # fmt: skip
-    """The launch config of a call: its tuning key's config (looked up once per key), then,
-    for kernels that stream docs, the doc blocks or token ranges `docs` and `doc_tokens`
-    (Nd and Ld) call for."""
+def with_once_tiles(config, once):
+    """A docs-once config (streamed) with the doc tile and warps of `once`, the config of
+    its call's "once" key: loads in registers want other tiles than pipelined ones."""
+    return dataclasses.replace(config, block_l=once.block_l, num_warps=once.num_warps)
+
+
+def _key_config(name: str, module, Q: torch.Tensor, lq: int, programs: int, kernel: str):
+    """The config of a call's tuning key (table entry or default), looked up once per key."""
     queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
     cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries,
                  kernel)  # fmt: skip
@@ -223,9 +223,22 @@ def _keyed_config(
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
                         lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
+    return config
+
+
+def _keyed_config(
+    name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int, doc_tokens: int,
+    kernel: str,
+):  # fmt: skip
+    """The launch config of a call: its tuning key's config, then, for kernels that stream
+    docs, the doc blocks or token ranges `docs` and `doc_tokens` (Nd and Ld) call for, and
+    for docs loaded once the tile and warps of the "once" key."""
+    config = _key_config(name, module, Q, lq, programs, kernel)
     if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
         dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
         config = streamed_for(module, config, Q.shape[0], docs, doc_tokens, dense_bytes)
+        if config.evict_docs:
+            config = with_once_tiles(config, _key_config(name, module, Q, lq, programs, "once"))
     return config
 
 

@@ -111,8 +111,9 @@ class KernelKey:
     lq: int  # Lq bucket
     size: str  # size_class of the grid
     queries: int = 1  # query_bucket(Nq) for layouts that stack queries (dense), else 1
-    # "fwd", or "bwd" for a training variant's backward kernels: they tile differently
-    # from its forward (grad_D's one-hot dots) and are tuned apart.
+    # "fwd"; "bwd" for a training variant's backward kernels: they tile differently from
+    # its forward (grad_D's one-hot dots) and are tuned apart; "once" for the tile and
+    # warps of a small rerank's unpipelined, evict-first doc loads (dispatch.streamed).
     kernel: str = "fwd"
 
     def table_key(self) -> str:

@@ -5,10 +5,12 @@ For each benchmark shape (benchmarks' PERF shapes, bf16, the variant a plain
 apart), every candidate config is checked against the first one's output and timed
 with triton.testing.do_bench (median; backward kernels as CUDA-graph replays, so their
 host work does not hide the differences). Shapes that share a KernelKey
-(colbert-rerank and text-long differ only in Ld, which no key holds) are tuned
-together: the config whose times are the smallest multiple of each shape's own best
-(geometric mean) wins. It is written to runtime/tuning/<family>.toml under the key; the
-runtime then reads it: no sweep ever runs at call time.
+(rerank sizes that differ only in Ld, which no key holds) are tuned together: the
+config whose times are the smallest multiple of each shape's own best (geometric mean)
+wins. A shape whose docs load once (dispatch.streamed: a small rerank's unpipelined,
+evict-first loads) tunes their tile and warps under its "once" key instead. Winners go
+to runtime/tuning/<family>.toml under their keys; the runtime then reads them: no sweep
+ever runs at call time.
 
     python3 -m lik.runtime.tune [--out runtime/tuning] [--shapes name,...] [--quick]
 """
@@ -16,6 +18,7 @@ runtime then reads it: no sweep ever runs at call time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import math
 import sys
@@ -33,7 +36,13 @@ from lik.runtime.keys import (
     size_class,
     variant_name,
 )
-from lik.runtime.tuning import STACKED_ROWS, LaunchConfig, load_table
+from lik.runtime.tuning import (
+    STACKED_ROWS,
+    LaunchConfig,
+    config_for,
+    default_query_group,
+    load_table,
+)
 
 # (name, Nq, Nd, Lq, Ld, d): the forward shapes of the performance suite.
 SHAPES = [
@@ -65,6 +74,10 @@ NUM_STAGES = (2, 3, 4)
 # benchmarks/results/forward_thin_warps_H200.log).
 THIN_ROWS = 32
 THIN_WARPS = (1, 2)
+# Docs loaded once sit in registers, one tile per warp in flight: wide tiles on few warps
+# or narrow ones on more (H100, lateon-edge: 64 tokens on 1-2 warps and 128 on 4 within 1%).
+ONCE_BLOCK_L = (32, 64, 128)
+ONCE_WARPS = (1, 2, 4, 8)
 # The dense grad_D multiplies a one-hot [BLOCK_L, rows] tile per step, so its work
 # grows with BLOCK_L: smaller tiles are worth trying there.
 BACKWARD_BLOCK_L = (16, 32, 64, 128)
@@ -80,6 +93,23 @@ def key_for(shape, family: str) -> KernelKey:
     name = variant_name("dense", False, False, False, torch.bfloat16)
     return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, 512)),
                      size_class(nq * nd), query_bucket(nq))  # fmt: skip
+
+
+def once_key(shape, family: str) -> KernelKey | None:
+    """The "once" key of a plain forward of this shape whose docs load once, else None;
+    decided from its forward key's committed config (or default), as a call decides it."""
+    _, nq, nd, lq, ld, d = shape
+    key = key_for(shape, family)
+    module = registry.load(key.variant)
+    config = config_for(key, module.smem_bytes)
+    if not dispatch.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2).evict_docs:
+        return None
+    return dataclasses.replace(key, kernel="once")
+
+
+def tuned_key(shape, family: str) -> KernelKey:
+    """The key a plain forward of this shape tunes: its "once" key, else its forward key."""
+    return once_key(shape, family) or key_for(shape, family)
 
 
 def train_keys(shape, family: str) -> tuple[KernelKey, KernelKey]:
@@ -98,6 +128,11 @@ def candidates(key: KernelKey):
         ):
             yield LaunchConfig(key.lq, block_l, key.head_dim, warps, stages)
         return
+    if key.kernel == "once":  # unpipelined tiles; every query in the one tile
+        for block_l, warps in itertools.product(ONCE_BLOCK_L, ONCE_WARPS):
+            yield LaunchConfig(key.lq, block_l, key.head_dim, warps, 1,
+                               query_group=default_query_group(key))  # fmt: skip
+        return
     # One query alone is always a candidate; stacking stops at twice a full tile.
     groups = [1] + [g for g in (2, 4, 8) if g <= key.queries and g * key.lq <= 2 * STACKED_ROWS]
     # The dense training forward keeps its argmax per row or per tile column.
@@ -115,18 +150,23 @@ def _generator():
     return torch.Generator("cuda").manual_seed(0)
 
 
-def forward_run(module, shape):
+def forward_run(module, shape, key: KernelKey):
     """run(config) -> (scores,) of a plain forward of this shape (its first 512 query
-    tokens where longer, as keyed), with the doc blocks or token ranges dispatch derives."""
+    tokens where longer, as keyed), with the doc blocks or token ranges dispatch derives;
+    for a "once" key, config is the tile and warps of its docs-once loads."""
     _, nq, nd, lq, ld, d = shape
     g = _generator()
     Q = torch.randn(nq, min(lq, 512), d, device="cuda", generator=g).to(torch.bfloat16)
     D = torch.randn(nd, ld, d, device="cuda", generator=g).to(torch.bfloat16)
     out = torch.empty(nq, nd, device="cuda")
+    dense_bytes = D.numel() * D.element_size()
+    forward_config = config_for(dataclasses.replace(key, kernel="fwd"), module.smem_bytes)
 
     def run(config):
-        if getattr(module, "DOC_STREAM", False):
-            dense_bytes = D.numel() * D.element_size()
+        if key.kernel == "once":
+            streamed = dispatch.streamed_for(module, forward_config, nq, nd, ld, dense_bytes)
+            config = dispatch.with_once_tiles(streamed, config)
+        elif getattr(module, "DOC_STREAM", False):
             config = dispatch.streamed_for(module, config, nq, nd, ld, dense_bytes)
         module.launch(out, Q, D, config=config)
         return (out,)
@@ -252,9 +292,9 @@ def tune_forward(shapes, family: str, quick: bool):
     """(table key, entry) per key of the plain forward shapes, shapes sharing a key
     tuned together."""
     for group in shapes_by_key(shapes, family).values():
-        key = key_for(group[0], family)
+        key = tuned_key(group[0], family)
         module = registry.load(key.variant)
-        runs = [forward_run(module, shape) for shape in group]
+        runs = [forward_run(module, shape, key) for shape in group]
         yield tune_key(key, runs, ", ".join(shape[0] for shape in group), quick)
 
 
@@ -271,7 +311,7 @@ def shapes_by_key(shapes, family: str) -> dict[str, list]:
     """Table key -> the shapes that resolve to it, in SHAPES order."""
     groups: dict[str, list] = {}
     for shape in shapes:
-        groups.setdefault(key_for(shape, family).table_key(), []).append(shape)
+        groups.setdefault(tuned_key(shape, family).table_key(), []).append(shape)
     return groups
 
 
@@ -290,7 +330,8 @@ def write_table(path: Path, family: str, entries: dict[str, dict]) -> None:
         f"# Launch configs for the {family} GPU family, written by `make tune`.",
         '# Keys: "variant|padded head dim|Lq bucket|size class|q<query bucket>", then "|bwd" '
         "for a",
-        "# training variant's backward kernels (lik.runtime.keys.KernelKey).",
+        "# training variant's backward kernels or \"|once\" for a small rerank's docs-once loads",
+        "# (lik.runtime.keys.KernelKey).",
         "# Keys absent here use lik.runtime.tuning.default_config. ms is the tuned median",
         "# (one per shape, in order, where shapes share a key) on the entry's card.",
         "[configs]",

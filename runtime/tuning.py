@@ -64,7 +64,17 @@ def default_query_group(key: KernelKey) -> int:
     return max(1, min(key.queries, STACKED_ROWS // key.lq))
 
 
+# Docs loaded once (unpipelined, evict-first; lik.runtime.dispatch.streamed) keep a tile
+# of ONCE_TILE_ELEMENTS in flight per warp by default: one warp of 32 tokens at d 128,
+# 64 at d 64. On an H100 (1000 docs of 1024 tokens at d 48, padded to 64), 64-token tiles
+# read in 44.5 us where 32-token ones took 48.2 (benchmarks/results/rerank_once_tiles_H100.md).
+ONCE_TILE_ELEMENTS = 4096
+
+
 def default_config(key: KernelKey) -> dict[str, int]:
+    if key.kernel == "once" and key.family != "interpreter":
+        return {"block_l": max(16, ONCE_TILE_ELEMENTS // key.head_dim), "num_warps": 1,
+                "num_stages": 1, "block_n": 8, "query_group": default_query_group(key)}  # fmt: skip
     if key.family == "interpreter":
         # The interpreter runs whole tiles in numpy: fewer, larger steps are faster.
         return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4,

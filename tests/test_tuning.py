@@ -4,6 +4,7 @@ sweep), configs that do not fit are shrunk instead of failing."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -13,10 +14,69 @@ from lik.runtime.tuning import LaunchConfig, load_table
 
 @pytest.mark.parametrize("shape", tune.SHAPES, ids=[s[0] for s in tune.SHAPES])
 def test_benchmark_shapes_resolve_to_hopper_entries(shape):
-    key = tune.key_for(shape, "hopper")
-    entry = load_table("hopper").get(key.table_key())
-    assert entry is not None, f"{key.table_key()} has no entry: run make tune on a Hopper GPU"
-    assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
+    # A call looks up its forward key, and a small rerank then its "once" key too.
+    for key in filter(None, (tune.key_for(shape, "hopper"), tune.once_key(shape, "hopper"))):
+        entry = load_table("hopper").get(key.table_key())
+        assert entry is not None, f"{key.table_key()} has no entry: run make tune on a Hopper GPU"
+        assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
+
+
+def test_small_reranks_tune_their_docs_once_loads_under_their_own_key():
+    shapes = {shape[0]: shape for shape in tune.SHAPES}
+    tuned = {name: tune.tuned_key(shapes[name], "hopper") for name in shapes}
+    assert tuned["colbert-rerank"].kernel == tuned["lateon-edge"].kernel == "once"
+    assert tuned["text-long"].kernel == tuned["colpali-rerank"].kernel == "fwd"
+    # colbert-rerank no longer shares (and skews) text-long's key.
+    groups = tune.shapes_by_key(tune.SHAPES, "hopper")
+    assert [s[0] for s in groups[tuned["text-long"].table_key()]] == ["text-long"]
+    once = list(tune.candidates(tuned["lateon-edge"]))
+    assert {c.num_stages for c in once} == {1} and {c.query_group for c in once} == {1}
+    assert {(c.block_l, c.num_warps) for c in once} == set(
+        itertools.product(tune.ONCE_BLOCK_L, tune.ONCE_WARPS)
+    )
+
+
+def test_docs_once_defaults_keep_one_tile_size_across_head_dims():
+    from lik.runtime.keys import KernelKey
+    from lik.runtime.tuning import default_config
+
+    def once(head_dim):
+        key = KernelKey("maxsim_dense_nomask_bf16_triton", "hopper", head_dim, 32, "s", 1, "once")
+        config = default_config(key)
+        return config["block_l"], config["num_warps"], config["num_stages"]
+
+    assert once(128) == (32, 1, 1)
+    assert once(64) == (64, 1, 1)
+    assert once(256) == (16, 1, 1)
+
+
+def test_a_docs_once_call_takes_the_tile_of_its_once_key(monkeypatch):
+    import torch
+
+    from lik.runtime import maxsim, tuning
+
+    monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(dispatch, "loads_docs_once", lambda config, nq, doc_bytes: True)
+    asked = []
+
+    def recording_config_for(key, smem_bytes):
+        asked.append(key.kernel)
+        config = tuning.config_for(key, smem_bytes)
+        if key.kernel == "once":  # a tile the forward key would not give
+            config = dataclasses.replace(config, block_l=16, num_warps=2)
+        return config
+
+    monkeypatch.setattr(dispatch, "config_for", recording_config_for)
+    Q = torch.randn(1, 5, 16)
+    D = torch.randn(3, 40, 16)
+    out = maxsim(Q, D)
+    assert asked == ["fwd", "once"]
+    (config,) = dispatch._call_configs.values()
+    tile = (config.block_l, config.num_warps, config.num_stages, config.evict_docs)
+    assert tile == (16, 2, 1, True)
+    ref = torch.einsum("sd,ntd->nst", Q[0].double(), D.double()).amax(-1).sum(-1)
+    assert torch.allclose(out[0].double(), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_every_committed_entry_names_the_card_it_was_tuned_on():
@@ -129,13 +189,16 @@ def test_many_long_docs_under_a_stacked_query_tile_nest_a_few_per_program():
 
 
 def test_small_reranks_load_their_docs_once_with_evict_first_hints():
-    # One thin query tile over 64-128 MiB of docs: 32-token tiles, one warp, no pipeline,
-    # evict-first loads. Smaller or larger docs, taller tiles, several query groups (each
-    # doc read more than once), split or unknown sizes keep the tuned pipeline.
+    # One thin query tile over 64-128 MiB of docs: no pipeline, evict-first loads (in the
+    # tile and warps of the "once" key, applied by with_once_tiles). Smaller or larger
+    # docs, taller tiles, several query groups (each doc read more than once), split or
+    # unknown sizes keep the tuned pipeline.
     thin = LaunchConfig(32, 64, 128, 2, 2)
     colbert = dispatch.streamed(thin, nq=1, nd=1000, ld=300, doc_bytes=1000 * 300 * 128 * 2)
     assert colbert.evict_docs
-    assert (colbert.block_l, colbert.num_warps, colbert.num_stages) == (32, 1, 1)
+    assert (colbert.block_l, colbert.num_warps, colbert.num_stages) == (64, 2, 1)
+    tiled = dispatch.with_once_tiles(colbert, LaunchConfig(32, 32, 128, 1, 1))
+    assert (tiled.block_l, tiled.num_warps, tiled.num_stages, tiled.evict_docs) == (32, 1, 1, True)
     text_long = dispatch.streamed(thin, nq=1, nd=1000, ld=1024, doc_bytes=1000 * 1024 * 256)
     assert not text_long.evict_docs and text_long == dispatch.streamed(thin, 1, 1000, 1024)
     assert not dispatch.streamed(thin, nq=1, nd=1000, ld=300).evict_docs  # size unknown
@@ -220,10 +283,11 @@ def test_call_configs_are_remembered_per_call_shape_and_bounded(monkeypatch):
 
 
 def test_shapes_sharing_a_key_are_tuned_together():
-    groups = tune.shapes_by_key(tune.SHAPES, "hopper")
+    shapes = [*tune.SHAPES, ("rerank-900x2048", 1, 900, 32, 2048, 128)]
+    groups = tune.shapes_by_key(shapes, "hopper")
     names = [[shape[0] for shape in shapes] for shapes in groups.values()]
-    assert ["colbert-rerank", "text-long"] in names  # they differ only in Ld
-    assert sum(len(n) for n in names) == len(tune.SHAPES)
+    assert ["text-long", "rerank-900x2048"] in names  # they differ only in Nd and Ld
+    assert sum(len(n) for n in names) == len(shapes)
     # The winner is the smallest multiple of each shape's own best, not either's fastest;
     # a config that failed on one shape is out.
     times = {"short-first": [1.0, 1.5], "balanced": [1.1, 1.1], "long-first": [2.0, 1.0],
