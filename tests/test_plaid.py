@@ -553,6 +553,43 @@ def test_gpu_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_varlen_rerank_replays_in_a_cuda_graph_and_runs_on_any_stream():
+    # The varlen entry's query offsets are cached per stream, and built afresh inside a
+    # capture (a tensor made there holds its values only on replay): replays with new
+    # queries, eager calls after the capture and calls on a side stream all score right.
+    codes, residuals, lengths, centroids, weights, g = _index(nbits=4, B=16, Ld=70, dim=128)
+    flat = _to("cuda", *_flatten(codes, residuals, lengths))
+    tables = _to("cuda", centroids, weights)
+    queries = [torch.randn(3, 40, 128, generator=g).cuda() for _ in range(3)]
+
+    def rerank(Q):
+        return plaid.maxsim_residual_varlen(Q, *flat, *tables, 4, max_seqlen_d=70)
+
+    static_q = queries[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up off the capture stream
+        expected = [rerank(Q) for Q in queries]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = rerank(static_q)
+    for Q, want in zip(queries, expected, strict=True):
+        static_q.copy_(Q)
+        graph.replay()
+        assert torch.equal(static_out, want)
+        assert torch.equal(rerank(Q), want)  # eager, on the default stream, after the capture
+    with torch.cuda.stream(side):
+        again = rerank(queries[2])
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(again, expected[2])
+    ref = maxsim_residual_reference(queries[1].cpu().double(), codes, residuals, lengths,
+                                    centroids.double(), weights.double(), 4)  # fmt: skip
+    assert relative_error(expected[1], ref) < _bound(torch.float16)
+
+
 def test_varlen_reference_matches_padded():
     codes, residuals, lengths, centroids, weights, g = _index(nbits=8, B=4, Ld=7, dim=16)
     lengths[2] = 0
