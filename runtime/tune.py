@@ -75,7 +75,8 @@ NUM_STAGES = (2, 3, 4)
 THIN_ROWS = 32
 THIN_WARPS = (1, 2)
 # Docs loaded once sit in registers, one tile per warp in flight: wide tiles on few warps
-# or narrow ones on more (H100, lateon-edge: 64 tokens on 1-2 warps and 128 on 4 within 1%).
+# or narrow ones on more (H100, lateon-edge: 128 tokens on 2 warps 44.2 us, 64 on 1-2 warps
+# 44.9, 32 on one 47.7; benchmarks/results/rerank_once_tiles_H100.md).
 ONCE_BLOCK_L = (32, 64, 128)
 ONCE_WARPS = (1, 2, 4, 8)
 # The dense grad_D multiplies a one-hot [BLOCK_L, rows] tile per step, so its work
