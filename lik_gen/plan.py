@@ -364,8 +364,9 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     else:
         fwd += ragged + [KernelArg("Out", "out")]
         fwd_strides += _strides("o", "out", pair_axes)
-    if streams_docs(variant):  # each token range's row maxima, when long docs are split
-        fwd += [KernelArg("Partial", "partial")]
+    if streams_docs(variant):  # long docs split: each token range's row maxima, and
+        # per (doc, query group) the ranges done (the last one reduces them)
+        fwd += [KernelArg("Partial", "partial"), KernelArg("Arrivals", "arrivals")]
     # Hooked token scores: weights w[query, s] (weighted), a temperature (smooth), and
     # what the backward needs instead of an argmax.
     weighted, smooth = variant.score is Score.WEIGHTED, variant.score is Score.SMOOTH

@@ -145,11 +145,11 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
         ]
 
     # Dense inference walks blocks of docs (flat or nested) or splits long ones: it also
-    # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS and the token ranges' row maxima
-    # (Partial), peels a partial last tile (PEEL_TAIL) into a TAIL_L-token tile, and may
-    # hint its doc loads evict-first (EVICT_DOCS).
+    # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS, the token ranges' row maxima
+    # (Partial) and their arrival counts (Arrivals), peels a partial last tile (PEEL_TAIL)
+    # into a TAIL_L-token tile, and may hint its doc loads evict-first (EVICT_DOCS).
     assert signature("maxsim_dense_nomask_bf16_triton") == [
-        "Q", "D", "Out", "Partial", "Nq", "Nd", "Lq", "Ld", "dim",
+        "Q", "D", "Out", "Partial", "Arrivals", "Nq", "Nd", "Lq", "Ld", "dim",
         "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
         "stride_ob", "stride_oc",
         "BLOCK_Q: tl.constexpr", "BLOCK_L: tl.constexpr", "BLOCK_K: tl.constexpr",

@@ -269,3 +269,50 @@ def test_concurrent_callers_on_new_buckets(monkeypatch):
     imports, errors = run_concurrent_new_buckets(monkeypatch, "cuda")
     assert set(imports.values()) == {1} and len(imports) == 2, imports
     assert all(e is not None and e < 1e-3 for e in errors), errors
+
+
+# ---------------------------------------------------------------------------------------
+# Split long docs: the last token range of a doc reduces them, counting arrivals in
+# counters cached per stream (lik.runtime.workspace) that each launch leaves at 0.
+
+
+def test_split_docs_on_two_streams_and_in_a_cuda_graph():
+    from lik.runtime import dispatch, registry, workspace
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    Q = torch.randn(16, 32, 128, device="cuda", generator=g).bfloat16()
+    docs = [torch.randn(32, 8192, 128, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    name = "maxsim_dense_nomask_bf16_triton"  # longdoc's shape: its docs split
+    config = dispatch._config(name, registry.load(name), Q, 32, 16 * 32, docs=32, doc_tokens=8192)
+    assert config.doc_splits > 1
+    want = [maxsim(Q, D) for D in docs]
+    for D, expected in zip(docs, want, strict=True):
+        ref = maxsim_reference(Q[:2].double(), D.double())
+        assert relative_error(expected[:2], ref) < TOLERANCE[torch.bfloat16]
+    # Many launches in a row on two streams at once, each stream with its own counters.
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[], []]
+    torch.cuda.synchronize()
+    for _ in range(20):
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outs[i].append(maxsim(Q, docs[i]))
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert all(torch.equal(out, want[i]) for out in outs[i])
+    assert not any(c.any() for c in workspace._counters.values())
+    # Captured and replayed on new docs.
+    static = docs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        maxsim(Q, static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = maxsim(Q, static)
+    for D, expected in zip([docs[1], docs[0], docs[1]], [want[1], want[0], want[1]], strict=True):
+        static.copy_(D)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, expected)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import assert_close_to_reference, padded_variant_names, poisoned, random_mask
 
-from lik.runtime import dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime import dispatch, maxsim, maxsim_pairs, registry, workspace
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -126,11 +126,12 @@ def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
     "name", ["maxsim_dense_qdmask_bf16_triton_norm", "maxsim_dense_nomask_fp32_triton"]
 )
 def test_split_long_docs(monkeypatch, name, splits, peel):
-    # Few long docs split into token ranges whose row maxima a second kernel reduces:
-    # Ld 77 is three tiles, so 4 ranges leave one empty; doc 0 is fully masked (scores 0)
-    # and one doc token is NaN (its doc scores NaN whichever range holds it). With peel,
-    # whole tiles skip the length mask and the partial last tile is scored after them
-    # (13 tokens past two 32-token tiles: in a 16-token tile).
+    # Few long docs split into token ranges whose row maxima the last range to finish
+    # reduces: Ld 77 is three tiles, so 4 ranges leave one empty; doc 0 is fully masked
+    # (scores 0) and one doc token is NaN (its doc scores NaN whichever range holds it).
+    # With peel, whole tiles skip the length mask and the partial last tile is scored after
+    # them (13 tokens past two 32-token tiles: in a 16-token tile). Twice: the arrival
+    # counters are back at 0 after each call, so the second call scores the same.
     monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld: splits)
     monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
     variant = Variant.parse(name)
@@ -143,6 +144,11 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
     out = _run(variant, Q, D, q_mask, d_mask, shape)
     assert ref[:, 2].isnan().any() and torch.equal(out[:, 2].isnan().cpu(), ref[:, 2].isnan().cpu())
     assert_close_to_reference(out[:, :2], ref[:, :2], Q.dtype, interpreter=INTERPRETER, what=name)
+    if splits > 1:
+        assert not any(c.any() for c in workspace._counters.values()), "counters left set"
+        again = _run(variant, Q, D, q_mask, d_mask, shape)
+        assert torch.equal(again.isnan(), out.isnan())
+        assert torch.equal(again.nan_to_num(), out.nan_to_num())
 
 
 EDGE_SHAPES = {

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: fc0a03bfc052c61a16e93167dd8ee44be76b8c1efadff0f1b3fa038035f54edf
+# body-sha256: 7ca3f6b41f963d2cba1d242ca93d19772d70c02d0509dc0c21a8906cd7b6df07
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from lik.runtime.launch_cache import cached_launch
+from lik.runtime.workspace import zeroed_counters
 
 ELEMENT_DTYPE = torch.float32
 LAYOUT = "dense"
@@ -60,6 +61,7 @@ def maxsim_dense_dmask_fp32_triton_norm_fwd_kernel(
     d_mask,
     Out,
     Partial,
+    Arrivals,
     Nq,
     Nd,
     Lq,
@@ -119,8 +121,8 @@ def maxsim_dense_dmask_fp32_triton_norm_fwd_kernel(
         # as big as a few doc tiles, and reloading it per doc cost 5-15% (H200, in-batch
         # 256: 0.340 -> 0.325 ms with 8 docs per program). DOC_SPLITS > 1 (with one doc
         # per program) splits long docs so that few docs still fill the GPU: each range
-        # writes its row maxima to Partial, and the split-reduce kernel takes their max
-        # and sums the query tokens.
+        # writes its row maxima to Partial, and the last range of a doc to finish takes
+        # their max and sums the query tokens.
         for n in range(DOCS_PER_PROGRAM):
             doc = doc_block // DOC_SPLITS * DOCS_PER_PROGRAM + n
             doc_ok = doc < Nd
@@ -244,6 +246,33 @@ def maxsim_dense_dmask_fp32_triton_norm_fwd_kernel(
                 tl.store(
                     Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final
                 )
+                # The last range of this (doc, group) to finish reduces them all: each
+                # row's max over the ranges (NaN kept), then the sum over each query's
+                # tokens. Arrivals counts the ranges done; the last one sets it back to
+                # 0 for the next launch (lik.runtime.workspace).
+                tl.debug_barrier()  # every thread's store is made before the release
+                arrival = Arrivals + doc * groups + group
+                if tl.atomic_add(arrival, 1, sem="acq_rel") == DOC_SPLITS - 1:
+                    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+                    for split in tl.static_range(DOC_SPLITS):
+                        # .cg: read from L2, where the other ranges' stores are
+                        part = tl.load(
+                            Partial
+                            + ((doc * DOC_SPLITS + split) * groups + group)
+                            * (QUERY_GROUP * BLOCK_Q)
+                            + rows,
+                            cache_modifier=".cg",
+                        )
+                        best = _max_keep_nan(best, part)
+                    # A query token with no valid doc token (or none at all) adds 0.
+                    best = tl.where(best != float("-inf"), best, 0.0)
+                    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
+                    tl.store(
+                        Out + group_queries * stride_ob + doc * stride_oc,
+                        scores,
+                        mask=group_queries < Nq,
+                    )
+                    tl.atomic_xchg(arrival, 0)
     else:
         # Docs of one or two tiles stream through one flat loop over (doc, tile), so the
         # next doc's tiles load while this one is scored, and the query tile is loaded
@@ -293,38 +322,6 @@ def maxsim_dense_dmask_fp32_triton_norm_fwd_kernel(
             best = tl.where(last, float("-inf"), best)
 
 
-@cached_launch
-@triton.jit
-def maxsim_dense_dmask_fp32_triton_norm_split_reduce_kernel(
-    Partial,
-    Out,
-    Nq,
-    stride_ob,
-    stride_oc,
-    BLOCK_Q: tl.constexpr,
-    QUERY_GROUP: tl.constexpr,
-    DOC_SPLITS: tl.constexpr,
-):
-    # One program per (group of queries, doc): the max over the doc's token ranges of each
-    # row's maximum (NaN kept), then the sum over each query's tokens.
-    pid = tl.program_id(0).to(tl.int64)
-    groups = tl.cdiv(Nq, QUERY_GROUP)
-    group = pid % groups
-    doc = pid // groups
-    rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
-    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    for split in tl.static_range(DOC_SPLITS):
-        part = tl.load(
-            Partial + ((doc * DOC_SPLITS + split) * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows
-        )
-        best = _max_keep_nan(best, part)
-    # A query token with no valid doc token (or none at all) adds 0.
-    best = tl.where(best != float("-inf"), best, 0.0)
-    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
-    group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
-    tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
-
-
 def cdiv(a, b):
     return -(-a // b)
 
@@ -360,18 +357,18 @@ def launch(out, Q, D, d_mask, *, config):
     Nd = D.shape[0]
     Ld = D.shape[1]
     dot_dtype, input_precision = _dot_config(config)
-    # Split docs: every (doc, token range, group)'s row maxima, reduced after the forward.
-    rows = config.query_group * config.block_q
+    # Split docs: every (doc, token range, group)'s row maxima, and per (doc, group) a
+    # count of the ranges done; the last range reduces them (unused when unsplit).
     splits = config.doc_splits
-    partial = (
-        out
-        if splits == 1
-        else torch.empty(
-            Nd * splits * cdiv(Nq, config.query_group) * rows,
+    partial = arrivals = out
+    if splits > 1:
+        pairs = cdiv(Nq, config.query_group) * Nd
+        partial = torch.empty(
+            pairs * splits * config.query_group * config.block_q,
             dtype=torch.float32,
             device=out.device,
         )
-    )
+        arrivals = zeroed_counters(pairs, out.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     d_mask_strides = d_mask.stride()
@@ -384,6 +381,7 @@ def launch(out, Q, D, d_mask, *, config):
         d_mask,
         out,
         partial,
+        arrivals,
         Nq,
         Nd,
         Lq,
@@ -415,18 +413,4 @@ def launch(out, Q, D, d_mask, *, config):
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )
 
-    if splits > 1:
-        maxsim_dense_dmask_fp32_triton_norm_split_reduce_kernel[
-            (cdiv(Nq, config.query_group) * Nd,)
-        ](
-            partial,
-            out,
-            Nq,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_Q=config.block_q,
-            QUERY_GROUP=config.query_group,
-            DOC_SPLITS=splits,
-            num_warps=4,
-        )
     return out

@@ -1,0 +1,33 @@
+"""Scratch buffers that kernels hand back as they found them, cached per device and stream.
+
+A forward that splits long docs into token ranges counts, per (doc, query group), the
+ranges that have finished; the last one reduces them all and sets its counter back to 0.
+The counters therefore start every launch at 0 without a memset of their own: launches
+on one stream run one after another, and each stream has its own counters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (device, stream) -> int32 counters, all 0 between launches. Grown, never shrunk.
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def zeroed_counters(count: int, device: torch.device) -> torch.Tensor:
+    """int32 counters [>= count], all 0, for a launch on the current stream that leaves
+    every counter it touches at 0 again. Inside a CUDA graph capture they are made afresh
+    (the graph zeroes them on each replay), as a tensor made there holds its values only
+    when the graph replays."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        key = (device, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        key = (device, 0)
+    counters = _counters.get(key)
+    if counters is None or counters.numel() < count:
+        # Growing frees the old buffer: the caching allocator hands it out again only
+        # after the launches already queued on this stream are done with it.
+        counters = _counters[key] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+    return counters
