@@ -10,12 +10,12 @@ them tile by tile in the `load_doc_tile` hook (templates/triton/load_doc_tile/re
     bucket_weights  [2 ** nbits]                        fp16, bf16 or fp32
     doc_lengths     dense only, [B]                     valid tokens per doc, in [0, Ld]
 
+so this module plans the uncompressed variant and replaces its doc tensors, their strides
+and sizes; everything else (query tiles, normalization, reduction, grid) is shared.
+
 The launcher also takes residuals as their int32 word view ([.., P / 4], P a multiple of 4,
 rows 4-byte aligned: lik.runtime.plaid passes that view whenever torch can make it); the
 kernel then reads whole words per token (constexpr RESIDUAL_WORDS, set from the dtype).
-
-so this module plans the uncompressed variant and replaces its doc tensors, their strides
-and sizes; everything else (query tiles, normalization, reduction, grid) is shared.
 """
 
 from __future__ import annotations

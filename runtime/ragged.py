@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from lik.runtime import dispatch, validate
+from lik.runtime import dispatch, validate, workspace
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
 
@@ -56,20 +56,17 @@ def _packed(name: str, value: object) -> torch.Tensor:
 
 def uniform_offsets(count: int, length: int, device: torch.device) -> torch.Tensor:
     """int32 offsets [count + 1] of count packed sequences of `length` tokens each,
-    cached per stream (kernels only read them; building them took two launches per call).
-    Inside a CUDA graph capture they are built afresh: a tensor made there holds its
-    values only when the graph replays."""
-    if device.type != "cuda":
-        return _uniform_offsets(count, length, device, 0)
-    if torch.cuda.is_current_stream_capturing():
+    cached per stream (kernels only read them; building them took two launches per call),
+    built afresh inside a CUDA graph capture (workspace.stream_key)."""
+    key = workspace.stream_key(device)
+    if key is None:
         return _arange_offsets(count, length, device)
-    stream = torch.cuda.current_stream(device).cuda_stream  # later launches there see them
-    return _uniform_offsets(count, length, device, stream)
+    return _uniform_offsets(count, length, key)
 
 
 @functools.lru_cache(maxsize=64)
-def _uniform_offsets(count: int, length: int, device: torch.device, stream: int):
-    return _arange_offsets(count, length, device)
+def _uniform_offsets(count: int, length: int, key: tuple):
+    return _arange_offsets(count, length, key[0])
 
 
 def _arange_offsets(count: int, length: int, device: torch.device) -> torch.Tensor:

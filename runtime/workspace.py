@@ -1,4 +1,4 @@
-"""Scratch buffers that kernels hand back as they found them, cached per device and stream.
+"""Buffers that launches share, cached per device and stream (`stream_key`).
 
 A forward that splits long docs into token ranges counts, per (doc, query group), the
 ranges that have finished; the last one reduces them all and sets its counter back to 0.
@@ -14,17 +14,25 @@ import torch
 _counters: dict[tuple, torch.Tensor] = {}
 
 
+def stream_key(device: torch.device) -> tuple | None:
+    """(device, stream) that buffers for launches on the current stream are cached under
+    (launches on one stream run in order, so they may share them); None inside a CUDA
+    graph capture, where a buffer must be made afresh: a tensor made there holds its
+    values only when the graph replays."""
+    if device.type != "cuda":
+        return (device, 0)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return (device, torch.cuda.current_stream(device).cuda_stream)
+
+
 def zeroed_counters(count: int, device: torch.device) -> torch.Tensor:
     """int32 counters [>= count], all 0, for a launch on the current stream that leaves
-    every counter it touches at 0 again. Inside a CUDA graph capture they are made afresh
-    (the graph zeroes them on each replay), as a tensor made there holds its values only
-    when the graph replays."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.zeros(count, dtype=torch.int32, device=device)
-        key = (device, torch.cuda.current_stream(device).cuda_stream)
-    else:
-        key = (device, 0)
+    every counter it touches at 0 again (made afresh inside a capture: the graph then
+    zeroes them on each replay)."""
+    key = stream_key(device)
+    if key is None:
+        return torch.zeros(count, dtype=torch.int32, device=device)
     counters = _counters.get(key)
     if counters is None or counters.numel() < count:
         # Growing frees the old buffer: the caching allocator hands it out again only

@@ -17,3 +17,8 @@ def test_counters_are_cached_grown_and_zero(monkeypatch):
     bigger = workspace.zeroed_counters(first.numel() + 1, cpu)
     assert bigger is not first and bigger.numel() > first.numel() and not bigger.any()
     assert workspace.zeroed_counters(3, cpu) is bigger
+
+
+def test_cpu_buffers_share_one_stream_key():
+    cpu = torch.device("cpu")
+    assert workspace.stream_key(cpu) == (cpu, 0)
