@@ -8,7 +8,9 @@ to lik.runtime.metal; other devices run the reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import math
 import os
 
 import torch
@@ -25,7 +27,7 @@ from lik.runtime.keys import (
     size_class,
     variant_name,
 )
-from lik.runtime.tuning import config_for
+from lik.runtime.tuning import DEFAULT_SMEM_LIMIT, SMEM_LIMIT, config_for
 
 # Looked up once at import (not per call), so torch.compile sees a plain constant.
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -98,24 +100,71 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 
 # Few long docs leave most of the GPU idle with one program per (query group, doc):
 # longdoc (16 queries x 32 docs of 8192 tokens) makes 64 programs for 132 SMs. Such docs
-# split into token ranges (DOC_SPLITS) for about SPLIT_TARGET_PROGRAMS programs (two per
-# SM), each range at least SPLIT_MIN_TILES tiles long so its loads still pipeline. On an
-# H200, longdoc went from 0.090 to 0.058-0.061 ms in 4 ranges (benchmarks/results).
-SPLIT_TARGET_PROGRAMS = 256
+# split into token ranges (DOC_SPLITS) so that the programs make about one wave: as many
+# as the GPU holds at once (programs_per_wave), within a power of two. Each range is at
+# least SPLIT_MIN_TILES tiles long so its loads still pipeline, and calls of
+# SPLIT_MAX_PROGRAMS programs or more keep whole docs (1000 docs of 1024 tokens ran 2-18%
+# slower in 2-8 ranges: benchmarks/results/forward_rerank_splits_H100.md). On an H100
+# (benchmarks/results/forward_split_waves_H100.md), longdoc takes 4 ranges (0.120 ms
+# unsplit, 0.057 split) and one query over 8 docs of 32768 tokens 64 (0.039 ms; 0.041 in
+# the 32 ranges of a fixed 256-program target; one query over 64 docs of 8192 tokens
+# at d 48, 32 ranges instead of 4: 0.033 -> 0.025 ms of GPU time).
 SPLIT_MIN_TILES = 4
+SPLIT_MAX_PROGRAMS = 256
+# What bounds the programs an SM holds: its shared memory and its registers, at this many
+# per thread (the compiler's count is known only after compiling).
+REGISTERS_PER_THREAD = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Multiprocessors:
+    count: int
+    shared_memory: int  # bytes per SM
+    registers: int = 65536  # 32-bit registers per SM
+
+
+# Off CUDA (the interpreter, or `make tune` planning on a CPU), splits are derived as on
+# an H100 SXM.
+H100_MULTIPROCESSORS = Multiprocessors(132, 228 * 1024)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> Multiprocessors:
+    # Cached: device properties cost microseconds, and are read once per call shape.
+    count = torch.cuda.get_device_properties(index).multi_processor_count
+    family = gpu_family(torch.device("cuda", index))
+    return Multiprocessors(count, SMEM_LIMIT.get(family, DEFAULT_SMEM_LIMIT) + 1024)
+
+
+def multiprocessors(device: torch.device) -> Multiprocessors:
+    if device.type != "cuda":
+        return H100_MULTIPROCESSORS
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_multiprocessors(index)
+
+
+def programs_per_wave(config, smem_bytes: int, sms: Multiprocessors) -> int:
+    """Programs of a config (smem_bytes of shared memory each, plus the 1 KB the
+    hardware reserves per program) that the GPU runs at once."""
+    per_sm = min(
+        sms.shared_memory // (smem_bytes + 1024),
+        sms.registers // (REGISTERS_PER_THREAD * 32 * config.num_warps),
+    )
+    return sms.count * max(1, per_sm)
 
 
 def _power_of_two_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def doc_splits(config, nq: int, nd: int, ld: int) -> int:
-    """Token ranges each doc of an unstreamed (one doc per program) forward splits into."""
+def doc_splits(config, nq: int, nd: int, ld: int, wave: int) -> int:
+    """Token ranges each doc of an unstreamed (one doc per program) forward splits into,
+    for about `wave` programs (programs_per_wave)."""
     programs = -(-nq // config.query_group) * nd
     tiles = -(-ld // config.block_l)
-    if programs >= SPLIT_TARGET_PROGRAMS or tiles < 2 * SPLIT_MIN_TILES:
+    if programs >= SPLIT_MAX_PROGRAMS or tiles < 2 * SPLIT_MIN_TILES:
         return 1
-    wanted = next_power_of_two(-(-SPLIT_TARGET_PROGRAMS // programs))
+    wanted = 1 << max(0, round(math.log2(wave / programs)))  # the nearest power of two
     return min(wanted, _power_of_two_at_most(tiles // SPLIT_MIN_TILES))
 
 
@@ -188,17 +237,17 @@ def loads_docs_once(config, nq: int, doc_bytes: int) -> bool:
     return rows <= ONCE_MAX_ROWS and nq <= config.query_group and low < doc_bytes <= high
 
 
-def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0):
+def streamed(config, nq: int, nd: int, ld: int, doc_bytes: int = 0, *, wave: int):
     """A streaming kernel's config for one call: blocks of short docs per program in one
-    flat loop; token ranges of few long docs, or blocks of many; long docs with a partial
-    last tile peel it; a small rerank's docs load once, unpipelined, with evict-first
-    hints (their tile and warps then come from the "once" key: with_once_tiles). doc_bytes:
-    the docs' size (0: unknown, no such loads). (Called once per call shape: _config
-    remembers the result.)"""
+    flat loop; token ranges of few long docs (for about `wave` programs), or blocks of
+    many; long docs with a partial last tile peel it; a small rerank's docs load once,
+    unpipelined, with evict-first hints (their tile and warps then come from the "once"
+    key: with_once_tiles). doc_bytes: the docs' size (0: unknown, no such loads). (Called
+    once per call shape: _config remembers the result.)"""
     blocks = streamed_blocks(config, nq, nd, ld)
     if blocks > 1:
         return dataclasses.replace(config, docs_per_program=blocks, flat_docs=True)
-    splits = doc_splits(config, nq, nd, ld)
+    splits = doc_splits(config, nq, nd, ld, wave)
     nested = nested_docs_per_program(config, nq, nd) if splits == 1 else 1
     config = dataclasses.replace(config, docs_per_program=nested, flat_docs=False,
                                  doc_splits=splits, peel_tail=peels_tail(config, ld))  # fmt: skip
@@ -236,18 +285,22 @@ def _keyed_config(
     config = _key_config(name, module, Q, lq, programs, kernel)
     if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
         dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
-        config = streamed_for(module, config, Q.shape[0], docs, doc_tokens, dense_bytes)
+        config = streamed_for(module, config, Q.shape[0], docs, doc_tokens, dense_bytes,
+                              Q.device)  # fmt: skip
         if config.evict_docs:
             config = with_once_tiles(config, _key_config(name, module, Q, lq, programs, "once"))
     return config
 
 
-def streamed_for(module, config, nq: int, nd: int, ld: int, dense_bytes: int):
-    """streamed() for a streaming module's call, whose docs take dense_bytes stored
-    uncompressed; modules whose doc loads take no evict-first hint (compressed PLAID docs)
-    never get those loads. Calls and `make tune` both shape configs through here."""
+def streamed_for(module, config, nq: int, nd: int, ld: int, dense_bytes: int, device):
+    """streamed() for a streaming module's call on `device`, whose docs take dense_bytes
+    stored uncompressed; modules whose doc loads take no evict-first hint (compressed PLAID
+    docs) never get those loads. Calls and `make tune` both shape configs through here."""
     hinted = getattr(module, "EVICT_DOCS_OPTION", False)
-    return streamed(config, nq, nd, ld, dense_bytes if hinted else 0)
+    rows = config.block_q * config.query_group
+    smem = module.smem_bytes(rows, config.block_l, config.block_k, config.num_stages)
+    wave = programs_per_wave(config, smem, multiprocessors(device))
+    return streamed(config, nq, nd, ld, dense_bytes if hinted else 0, wave=wave)
 
 
 # Each call's config by its exact sizes: shapes repeat from call to call, so the hot path

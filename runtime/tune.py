@@ -103,7 +103,8 @@ def once_key(shape, family: str) -> KernelKey | None:
     key = key_for(shape, family)
     module = registry.load(key.variant)
     config = config_for(key, module.smem_bytes)
-    if not dispatch.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2).evict_docs:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: as on an H100
+    if not dispatch.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2, device).evict_docs:
         return None
     return dataclasses.replace(key, kernel="once")
 
@@ -165,10 +166,11 @@ def forward_run(module, shape, key: KernelKey):
 
     def run(config):
         if key.kernel == "once":
-            streamed = dispatch.streamed_for(module, forward_config, nq, nd, ld, dense_bytes)
+            streamed = dispatch.streamed_for(module, forward_config, nq, nd, ld, dense_bytes,
+                                             D.device)  # fmt: skip
             config = dispatch.with_once_tiles(streamed, config)
         elif getattr(module, "DOC_STREAM", False):
-            config = dispatch.streamed_for(module, config, nq, nd, ld, dense_bytes)
+            config = dispatch.streamed_for(module, config, nq, nd, ld, dense_bytes, D.device)
         module.launch(out, Q, D, config=config)
         return (out,)
 

@@ -132,7 +132,7 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
     # With peel, whole tiles skip the length mask and the partial last tile is scored after
     # them (13 tokens past two 32-token tiles: in a 16-token tile). Twice: the arrival
     # counters are back at 0 after each call, so the second call scores the same.
-    monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld: splits)
+    monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: splits)
     monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
     variant = Variant.parse(name)
     generator = torch.Generator().manual_seed(9)

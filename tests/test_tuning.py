@@ -7,9 +7,18 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
 
 from lik.runtime import dispatch, registry, tune
 from lik.runtime.tuning import LaunchConfig, load_table
+
+CPU = torch.device("cpu")  # plans splits as on an H100
+
+
+def streamed(config, *args, **kwargs):
+    """dispatch.streamed on a GPU that holds 264 programs at once (an H100's 132 SMs at
+    two each)."""
+    return dispatch.streamed(config, *args, wave=264, **kwargs)
 
 
 @pytest.mark.parametrize("shape", tune.SHAPES, ids=[s[0] for s in tune.SHAPES])
@@ -155,37 +164,63 @@ def test_other_launch_errors_are_not_swallowed():
 
 
 def test_only_few_long_docs_split_into_token_ranges():
-    # About 256 programs, ranges of at least 4 tiles, powers of two; streamed blocks of
-    # short docs never split.
+    # About one wave of programs (the nearest power of two), ranges of at least 4 tiles,
+    # calls of 256 programs or more unsplit; streamed blocks of short docs never split.
     config = LaunchConfig(32, 64, 128, 8, 3, query_group=8)
-    assert dispatch.doc_splits(config, nq=16, nd=32, ld=8192) == 4  # longdoc: 64 -> 256
-    assert dispatch.doc_splits(config, nq=1, nd=1, ld=8192) == 32  # 128 tiles, 4 per range
-    assert dispatch.doc_splits(config, nq=1, nd=1, ld=64 * 12) == 2  # 12 tiles: 3 ranges of 4
-    assert dispatch.doc_splits(config, nq=1, nd=1000, ld=1024) == 1  # 1000 programs
-    assert dispatch.doc_splits(config, nq=1, nd=4, ld=7 * 64) == 1  # too short to split
-    streamed = dispatch.streamed(config, nq=16, nd=32, ld=8192)
-    assert (streamed.docs_per_program, streamed.doc_splits) == (1, 4)
-    streamed = dispatch.streamed(config, nq=1, nd=4, ld=128)
-    assert (streamed.docs_per_program, streamed.doc_splits) == (1, 1)
+    wave = 264  # an H100 holding two such programs per SM
+    assert dispatch.doc_splits(config, nq=16, nd=32, ld=8192, wave=wave) == 4  # longdoc: 64
+    assert dispatch.doc_splits(config, nq=16, nd=32, ld=8192, wave=396) == 8  # 6.2 -> 8
+    assert dispatch.doc_splits(config, nq=1, nd=1, ld=8192, wave=wave) == 32  # 4 tiles a range
+    assert dispatch.doc_splits(config, nq=1, nd=1, ld=64 * 12, wave=wave) == 2  # 3 ranges of 4
+    assert dispatch.doc_splits(config, nq=1, nd=200, ld=1024, wave=wave) == 1  # 1.3 -> 1
+    assert dispatch.doc_splits(config, nq=1, nd=1000, ld=1024, wave=2000) == 1  # 256+
+    assert dispatch.doc_splits(config, nq=1, nd=4, ld=7 * 64, wave=wave) == 1  # too short
+    split = dispatch.streamed(config, nq=16, nd=32, ld=8192, wave=wave)
+    assert (split.docs_per_program, split.doc_splits) == (1, 4)
+    split = dispatch.streamed(config, nq=1, nd=4, ld=128, wave=wave)
+    assert (split.docs_per_program, split.doc_splits) == (1, 1)
+
+
+def test_a_wave_is_the_programs_the_gpu_holds_at_once():
+    # Shared memory (plus 1 KB reserved per program) and 128 registers per thread bound
+    # an SM's share; the measured splits of
+    # benchmarks/results/forward_split_waves_H100.md follow.
+    h100 = dispatch.H100_MULTIPROCESSORS
+    longdoc = LaunchConfig(32, 64, 128, 8, 3, query_group=8)  # 112 KB: 2 per SM
+    assert dispatch.programs_per_wave(longdoc, 112 * 1024, h100) == 264
+    thin = LaunchConfig(32, 128, 128, 2, 2)  # 72 KB on 2 warps: 3 per SM
+    assert dispatch.programs_per_wave(thin, 72 * 1024, h100) == 396
+    assert dispatch.doc_splits(thin, nq=1, nd=8, ld=32768, wave=396) == 64  # 49.5
+    assert dispatch.doc_splits(thin, nq=1, nd=32, ld=8192, wave=396) == 16  # 12.4
+    registers = LaunchConfig(32, 64, 128, 8, 3, query_group=2)  # 64 KB fits 3; registers 2
+    assert dispatch.programs_per_wave(registers, 64 * 1024, h100) == 264
+    tiny = LaunchConfig(16, 16, 16, 1, 1)  # registers: 16 one-warp programs
+    assert dispatch.programs_per_wave(tiny, 1024, h100) == 132 * 16
+    assert dispatch.programs_per_wave(longdoc, 300 * 1024, h100) == 132  # at least one
+    assert dispatch.multiprocessors(CPU) == h100
+    # Through a module, as a call derives it: the module's shared memory, the device's SMs.
+    dense = registry.load("maxsim_dense_nomask_bf16_triton")
+    assert dispatch.streamed_for(dense, longdoc, 16, 32, 8192, 0, CPU).doc_splits == 4
+    assert dispatch.streamed_for(dense, thin, 1, 8, 32768, 0, CPU).doc_splits == 64
 
 
 def test_many_long_docs_under_a_stacked_query_tile_nest_a_few_per_program():
     # About 1024 programs, at most 8 docs each, and only under a tile of 128+ rows on up
     # to 4 warps; short docs keep the flat stream, few long docs their token ranges.
     stacked = LaunchConfig(32, 64, 128, 4, 3, query_group=8)
-    inbatch = dispatch.streamed(stacked, nq=256, nd=256, ld=300)  # 8192 programs -> 1024
+    inbatch = streamed(stacked, nq=256, nd=256, ld=300)  # 8192 programs -> 1024
     assert (inbatch.docs_per_program, inbatch.flat_docs, inbatch.doc_splits) == (8, False, 1)
-    assert dispatch.streamed(stacked, nq=64, nd=64, ld=300).docs_per_program == 1  # 512
-    assert dispatch.streamed(stacked, nq=256, nd=48, ld=300).docs_per_program == 2  # 1536
-    assert dispatch.streamed(stacked, nq=16, nd=10**6, ld=300).docs_per_program == 8  # capped
-    longdoc = dispatch.streamed(stacked, nq=16, nd=32, ld=8192)
+    assert streamed(stacked, nq=64, nd=64, ld=300).docs_per_program == 1  # 512
+    assert streamed(stacked, nq=256, nd=48, ld=300).docs_per_program == 2  # 1536
+    assert streamed(stacked, nq=16, nd=10**6, ld=300).docs_per_program == 8  # capped
+    longdoc = streamed(stacked, nq=16, nd=32, ld=8192)
     assert (longdoc.docs_per_program, longdoc.doc_splits) == (1, 4)
-    corpus = dispatch.streamed(stacked, nq=16, nd=10**5, ld=128)  # two tiles: flat stream
+    corpus = streamed(stacked, nq=16, nd=10**5, ld=128)  # two tiles: flat stream
     assert corpus.flat_docs and corpus.docs_per_program > 1
     wide = dataclasses.replace(stacked, num_warps=8)
-    assert dispatch.streamed(wide, nq=256, nd=256, ld=300).docs_per_program == 1
+    assert streamed(wide, nq=256, nd=256, ld=300).docs_per_program == 1
     thin = LaunchConfig(32, 64, 128, 4, 3, query_group=2)  # 64 rows
-    assert dispatch.streamed(thin, nq=256, nd=256, ld=300).docs_per_program == 1
+    assert streamed(thin, nq=256, nd=256, ld=300).docs_per_program == 1
 
 
 def test_small_reranks_load_their_docs_once_with_evict_first_hints():
@@ -194,40 +229,40 @@ def test_small_reranks_load_their_docs_once_with_evict_first_hints():
     # docs, taller tiles, several query groups (each doc read more than once), split or
     # unknown sizes keep the tuned pipeline.
     thin = LaunchConfig(32, 64, 128, 2, 2)
-    colbert = dispatch.streamed(thin, nq=1, nd=1000, ld=300, doc_bytes=1000 * 300 * 128 * 2)
+    colbert = streamed(thin, nq=1, nd=1000, ld=300, doc_bytes=1000 * 300 * 128 * 2)
     assert colbert.evict_docs
     assert (colbert.block_l, colbert.num_warps, colbert.num_stages) == (64, 2, 1)
     tiled = dispatch.with_once_tiles(colbert, LaunchConfig(32, 32, 128, 1, 1))
     assert (tiled.block_l, tiled.num_warps, tiled.num_stages, tiled.evict_docs) == (32, 1, 1, True)
-    text_long = dispatch.streamed(thin, nq=1, nd=1000, ld=1024, doc_bytes=1000 * 1024 * 256)
-    assert not text_long.evict_docs and text_long == dispatch.streamed(thin, 1, 1000, 1024)
-    assert not dispatch.streamed(thin, nq=1, nd=1000, ld=300).evict_docs  # size unknown
-    assert not dispatch.streamed(thin, nq=1, nd=100, ld=180, doc_bytes=100 * 180 * 256).evict_docs
-    assert not dispatch.streamed(thin, nq=4, nd=1000, ld=300, doc_bytes=10**8).evict_docs
+    text_long = streamed(thin, nq=1, nd=1000, ld=1024, doc_bytes=1000 * 1024 * 256)
+    assert not text_long.evict_docs and text_long == streamed(thin, 1, 1000, 1024)
+    assert not streamed(thin, nq=1, nd=1000, ld=300).evict_docs  # size unknown
+    assert not streamed(thin, nq=1, nd=100, ld=180, doc_bytes=100 * 180 * 256).evict_docs
+    assert not streamed(thin, nq=4, nd=1000, ld=300, doc_bytes=10**8).evict_docs
     tall = LaunchConfig(128, 64, 128, 4, 3)  # colpali-rerank's 128-token queries
-    assert not dispatch.streamed(tall, nq=1, nd=400, ld=1024, doc_bytes=10**8).evict_docs
-    split = dispatch.streamed(thin, nq=1, nd=1, ld=2**18, doc_bytes=10**8)
+    assert not streamed(tall, nq=1, nd=400, ld=1024, doc_bytes=10**8).evict_docs
+    split = streamed(thin, nq=1, nd=1, ld=2**18, doc_bytes=10**8)
     assert split.doc_splits > 1 and not split.evict_docs
     # Through a module: only those whose doc loads take the hint (not PLAID's).
     dense = registry.load("maxsim_dense_nomask_bf16_triton")
     plaid = registry.load("maxsim_dense_nomask_bf16_triton_norm_res2")
     assert dense.EVICT_DOCS_OPTION and not plaid.EVICT_DOCS_OPTION
-    assert dispatch.streamed_for(dense, thin, 1, 1000, 300, 1000 * 300 * 256).evict_docs
-    assert not dispatch.streamed_for(plaid, thin, 1, 1000, 300, 1000 * 300 * 256).evict_docs
+    assert dispatch.streamed_for(dense, thin, 1, 1000, 300, 1000 * 300 * 256, CPU).evict_docs
+    assert not dispatch.streamed_for(plaid, thin, 1, 1000, 300, 1000 * 300 * 256, CPU).evict_docs
 
 
 def test_long_docs_with_a_partial_tile_peel_it():
     stacked = LaunchConfig(32, 64, 128, 8, 3, query_group=8)  # 256-row query tiles
-    assert dispatch.streamed(stacked, nq=256, nd=256, ld=300).peel_tail  # 4 whole + 44
-    assert not dispatch.streamed(stacked, nq=256, nd=256, ld=256).peel_tail  # no partial tile
-    assert dispatch.streamed(stacked, nq=256, nd=256, ld=200).peel_tail  # 3 whole + 8: narrows
-    assert dispatch.streamed(stacked, nq=256, nd=256, ld=130).peel_tail  # 2 whole + 2: narrows
-    assert not dispatch.streamed(stacked, nq=256, nd=256, ld=180).peel_tail  # 2 whole + 52
-    assert not dispatch.streamed(stacked, nq=256, nd=256, ld=70).peel_tail  # 1 whole + 6
-    assert not dispatch.streamed(stacked, nq=16, nd=10**5, ld=100).peel_tail  # streamed blocks
+    assert streamed(stacked, nq=256, nd=256, ld=300).peel_tail  # 4 whole + 44
+    assert not streamed(stacked, nq=256, nd=256, ld=256).peel_tail  # no partial tile
+    assert streamed(stacked, nq=256, nd=256, ld=200).peel_tail  # 3 whole + 8: narrows
+    assert streamed(stacked, nq=256, nd=256, ld=130).peel_tail  # 2 whole + 2: narrows
+    assert not streamed(stacked, nq=256, nd=256, ld=180).peel_tail  # 2 whole + 52
+    assert not streamed(stacked, nq=256, nd=256, ld=70).peel_tail  # 1 whole + 6
+    assert not streamed(stacked, nq=16, nd=10**5, ld=100).peel_tail  # streamed blocks
     thin = LaunchConfig(32, 128, 128, 4, 4)  # one 32-token query: bound by its loads
-    assert not dispatch.streamed(thin, nq=1, nd=1000, ld=520).peel_tail
-    assert not dispatch.streamed(thin, nq=1, nd=1000, ld=264).peel_tail
+    assert not streamed(thin, nq=1, nd=1000, ld=520).peel_tail
+    assert not streamed(thin, nq=1, nd=1000, ld=264).peel_tail
 
 
 @pytest.mark.parametrize("ld", [300, 256, 200, 130, 77, 16, 15, 1])
