@@ -151,6 +151,26 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
         assert torch.equal(again.nan_to_num(), out.nan_to_num())
 
 
+def test_split_long_docs_reduce_ranges_past_one_load(monkeypatch):
+    # The last range reads the others' row maxima 16 ranges per load. Ld 630 in 20
+    # ranges of one 32-token tile: ranges 16-19 (tokens 512-629) hold the max of about a
+    # fifth of the rows, read by the second, masked load; the scores match only if it is.
+    monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: 20)
+    variant = Variant.parse("maxsim_dense_nomask_bf16_triton")
+    generator = torch.Generator().manual_seed(11)
+    Q, D, q_mask, d_mask, shape, _ = _case(variant, 2, 3, 9, 630, 32, generator)
+    D[:, 620] = 4 * Q[1, 0]  # and one clear winner in the last range
+    ref = maxsim_reference(Q.double(), D.double())
+    winners = torch.einsum("qsd,ntd->qnst", Q.double(), D.double()).argmax(-1)
+    assert (winners >= 512).float().mean() > 0.1
+    dispatch._call_configs.clear()
+    out = _run(variant, Q, D, q_mask, d_mask, shape)
+    (config,) = dispatch._call_configs.values()
+    assert config.doc_splits == 20 and (config.block_l == 32 or not INTERPRETER)
+    assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what="20 ranges")
+    assert not any(c.any() for c in workspace._counters.values()), "counters left set"
+
+
 EDGE_SHAPES = {
     "Lq=1": (2, 3, 1, 19, 48),
     "Ld=1": (2, 3, 5, 1, 48),
