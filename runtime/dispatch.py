@@ -111,10 +111,12 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 # at d 48, 32 ranges instead of 4: 0.033 -> 0.025 ms of GPU time).
 SPLIT_MIN_TILES = 4
 SPLIT_MAX_PROGRAMS = 256
-# The last range reduces the others' maxima, 16 ranges per load in a loop unrolled so
-# that the loads are all in flight at once: its code grows with the count. On an H100,
-# one query over one doc of 2**20 tokens: 128 ranges 0.148 ms, 256 0.103, 512 0.107.
-SPLIT_MAX_RANGES = 256
+# The last range reduces the others' maxima in a loop unrolled over the ranges, so that
+# their loads are all in flight at once; its compile time grows with them (H100: 4.8 s
+# at 128 ranges, 20.5 s at 256). Loading 16 ranges' rows at a time compiled in 1 s but
+# slowed every split call by 1-3 us (forward_split_waves_H100.md). A single doc of 2**20
+# tokens loses to the cap: 0.151 ms in 128 ranges, 0.100 in 256.
+SPLIT_MAX_RANGES = 128
 # What bounds the programs an SM holds: its shared memory and its registers, at this many
 # per thread (the compiler's count is known only after compiling).
 REGISTERS_PER_THREAD = 128

@@ -152,9 +152,9 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
 
 
 def test_split_long_docs_reduce_ranges_past_one_load(monkeypatch):
-    # The last range reads the others' row maxima 16 ranges per load. Ld 630 in 20
-    # ranges of one 32-token tile: ranges 16-19 (tokens 512-629) hold the max of about a
-    # fifth of the rows, read by the second, masked load; the scores match only if it is.
+    # The last range reads every other range's row maxima, past the first 16 too: Ld 630
+    # in 20 ranges of one 32-token tile, where ranges 16-19 (tokens 512-629) hold the max
+    # of about a fifth of the rows, and one token there wins clearly.
     monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: 20)
     variant = Variant.parse("maxsim_dense_nomask_bf16_triton")
     generator = torch.Generator().manual_seed(11)

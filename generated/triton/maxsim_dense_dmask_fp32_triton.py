@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 863c33435278eeed692b2f73ef15167c8fff3d5e71e15d9c8054d63d37fd2f4a
+# body-sha256: c9fc1aee72f6d4d945b4a35f63eec1b8b67f4c4322a0ef0d3b3f52b3c6682649
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -242,22 +242,17 @@ def maxsim_dense_dmask_fp32_triton_fwd_kernel(
                 tl.debug_barrier()  # every thread's store is made before the release
                 arrival = Arrivals + doc * groups + group
                 if tl.atomic_add(arrival, 1, sem="acq_rel") == DOC_SPLITS - 1:
-                    # 16 ranges' rows per load, all loads unrolled so that they are in flight at once:
-                    # one load per range made the compile time grow with the ranges (256 took 20 s).
-                    # .cg: read from L2, where the other ranges' stores are.
                     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-                    for split0 in tl.static_range(0, DOC_SPLITS, 16):
-                        ranges = split0 + tl.arange(0, 16)
-                        parts = tl.load(
+                    for split in tl.static_range(DOC_SPLITS):
+                        # .cg: read from L2, where the other ranges' stores are
+                        part = tl.load(
                             Partial
-                            + ((doc * DOC_SPLITS + ranges[:, None]) * groups + group)
+                            + ((doc * DOC_SPLITS + split) * groups + group)
                             * (QUERY_GROUP * BLOCK_Q)
-                            + rows[None, :],
-                            mask=ranges[:, None] < DOC_SPLITS,
-                            other=float("-inf"),
+                            + rows,
                             cache_modifier=".cg",
                         )
-                        best = _max_keep_nan(best, tl.reduce(parts, 0, _max_keep_nan))
+                        best = _max_keep_nan(best, part)
                     # A query token with no valid doc token (or none at all) adds 0.
                     best = tl.where(best != float("-inf"), best, 0.0)
                     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
