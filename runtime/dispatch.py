@@ -143,6 +143,8 @@ def _cuda_multiprocessors(index: int) -> Multiprocessors:
 
 
 def multiprocessors(device: torch.device) -> Multiprocessors:
+    """The SMs of a CUDA device (their count, and the shared memory and registers each
+    holds), or an H100's off CUDA."""
     if device.type != "cuda":
         return H100_MULTIPROCESSORS
     index = torch.cuda.current_device() if device.index is None else device.index

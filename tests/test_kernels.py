@@ -151,8 +151,8 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
         assert torch.equal(again.nan_to_num(), out.nan_to_num())
 
 
-def test_split_long_docs_reduce_ranges_past_one_load(monkeypatch):
-    # The last range reads every other range's row maxima, past the first 16 too: Ld 630
+def test_split_long_docs_reduce_every_range(monkeypatch):
+    # The last range to finish reads every range's row maxima, the last ones too: Ld 630
     # in 20 ranges of one 32-token tile, where ranges 16-19 (tokens 512-629) hold the max
     # of about a fifth of the rows, and one token there wins clearly.
     monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: 20)
