@@ -105,10 +105,9 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 # least SPLIT_MIN_TILES tiles long so its loads still pipeline, and calls of
 # SPLIT_MAX_PROGRAMS programs or more keep whole docs (1000 docs of 1024 tokens ran 2-18%
 # slower in 2-8 ranges: benchmarks/results/forward_rerank_splits_H100.md). On an H100
-# (benchmarks/results/forward_split_waves_H100.md), longdoc takes 4 ranges (0.120 ms
-# unsplit, 0.057 split) and one query over 8 docs of 32768 tokens 64 (0.039 ms; 0.041 in
-# the 32 ranges of a fixed 256-program target; one query over 64 docs of 8192 tokens
-# at d 48, 32 ranges instead of 4: 0.033 -> 0.025 ms of GPU time).
+# (benchmarks/results/forward_split_waves_H100.md) longdoc takes 4 ranges (0.120 ms
+# unsplit, 0.057 split); against a fixed 256-program target, one query over 64 docs of
+# 8192 tokens at d 48 takes 32 ranges instead of 4 (GPU time 0.033 -> 0.025 ms).
 SPLIT_MIN_TILES = 4
 SPLIT_MAX_PROGRAMS = 256
 # The last range reduces the others' maxima in a loop unrolled over the ranges, so that
