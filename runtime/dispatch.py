@@ -110,12 +110,10 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 # 8192 tokens at d 48 takes 32 ranges instead of 4 (GPU time 0.033 -> 0.025 ms).
 SPLIT_MIN_TILES = 4
 SPLIT_MAX_PROGRAMS = 256
-# The last range reduces the others' maxima in a loop unrolled over the ranges, so that
-# their loads are all in flight at once; its compile time grows with them (H100: 4.8 s
-# at 128 ranges, 20.5 s at 256). Loading 16 ranges' rows at a time compiled in 1 s but
-# slowed every split call by 1-3 us (forward_split_waves_H100.md). A single doc of 2**20
-# tokens loses to the cap: 0.151 ms in 128 ranges, 0.100 in 256.
-SPLIT_MAX_RANGES = 128
+# The last range reduces the others' maxima with their loads unrolled 64 at a time, so
+# that compile time stays flat past that. On an H100 (forward_split_ranges_H100.md), one
+# doc of 2**20 tokens: 0.152 ms in 128 ranges, 0.102 in 256, 0.104 in 512.
+SPLIT_MAX_RANGES = 256
 # What bounds the programs an SM holds: its shared memory and its registers, at this many
 # per thread (the compiler's count is known only after compiling).
 REGISTERS_PER_THREAD = 128

@@ -192,7 +192,7 @@ def test_a_wave_is_the_programs_the_gpu_holds_at_once():
     assert dispatch.programs_per_wave(thin, 72 * 1024, h100) == 396
     assert dispatch.doc_splits(thin, nq=1, nd=8, ld=32768, wave=396) == 64  # 49.5
     assert dispatch.doc_splits(thin, nq=1, nd=32, ld=8192, wave=396) == 16  # 12.4
-    assert dispatch.doc_splits(thin, nq=1, nd=1, ld=2**20, wave=2112) == 128  # at most
+    assert dispatch.doc_splits(thin, nq=1, nd=1, ld=2**20, wave=2112) == 256  # at most
     registers = LaunchConfig(32, 64, 128, 8, 3, query_group=2)  # 64 KB fits 3; registers 2
     assert dispatch.programs_per_wave(registers, 64 * 1024, h100) == 264
     tiny = LaunchConfig(16, 16, 16, 1, 1)  # registers: 16 one-warp programs

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b8e252ba2f2131b577b4a9e007c08682314088443bbaefac9f16dea3fcb326e6
+# body-sha256: bab4eb31a0f91f05e37f2003af1836a457f78d23f1ac8fef167a8a323bc9e927
 
 """MaxSim forward for maxsim_dense_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -222,16 +222,32 @@ def maxsim_dense_nomask_fp16_triton_fwd_kernel(
                 arrival = Arrivals + doc * groups + group
                 if tl.atomic_add(arrival, 1, sem="acq_rel") == DOC_SPLITS - 1:
                     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-                    for split in tl.static_range(DOC_SPLITS):
-                        # .cg: read from L2, where the other ranges' stores are
-                        part = tl.load(
-                            Partial
-                            + ((doc * DOC_SPLITS + split) * groups + group)
-                            * (QUERY_GROUP * BLOCK_Q)
-                            + rows,
-                            cache_modifier=".cg",
-                        )
-                        best = _max_keep_nan(best, part)
+                    ranges = (
+                        Partial
+                        + (doc * DOC_SPLITS * groups + group) * (QUERY_GROUP * BLOCK_Q)
+                        + rows
+                    )
+                    # .cg: read from L2, where the other ranges' stores are. The loads are unrolled so
+                    # that they are in flight together: all of them up to 64 ranges, then
+                    # 64 per step of a loop, so that compile time stays flat.
+                    if DOC_SPLITS <= 64:
+                        for split in tl.static_range(DOC_SPLITS):
+                            part = tl.load(
+                                ranges + split * groups * (QUERY_GROUP * BLOCK_Q),
+                                cache_modifier=".cg",
+                            )
+                            best = _max_keep_nan(best, part)
+                    else:
+                        for first_split in range(0, DOC_SPLITS, 64):
+                            for offset in tl.static_range(64):
+                                # Past the last range (a count not a multiple of the step): the last one
+                                # again, which leaves the max as it is.
+                                split = tl.minimum(first_split + offset, DOC_SPLITS - 1)
+                                part = tl.load(
+                                    ranges + split * groups * (QUERY_GROUP * BLOCK_Q),
+                                    cache_modifier=".cg",
+                                )
+                                best = _max_keep_nan(best, part)
                     # A query token with no valid doc token (or none at all) adds 0.
                     best = tl.where(best != float("-inf"), best, 0.0)
                     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
