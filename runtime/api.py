@@ -13,10 +13,10 @@ _D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
 
 # "auto" sends an in-batch (dense) backward to lowmem from this many scored pairs on.
 # Measured on an H200 (forward + backward, bf16, each step replayed from a CUDA graph,
-# benchmarks/results/train_H200.md): in-batch 256 x 256 (65536 pairs) lowmem 0.766 ms vs
-# unified 1.405; colpali 32 x 32 (1024 pairs) 0.128 vs 0.215. Fewer pairs were not
-# measured since the routed grad_D; lowmem's peak memory is a third of unified's, so it
-# takes every case where it is not clearly slower.
+# benchmarks/results/train_H200.md, tree e3464e1): in-batch 256 x 256 (65536 pairs)
+# lowmem 0.766 ms vs unified 1.409; colpali 32 x 32 (1024 pairs) 0.118 vs 0.221. Fewer
+# pairs were not measured since the routed grad_D; lowmem's peak memory is a third of
+# unified's, so it takes every case where it is not clearly slower.
 AUTO_LOWMEM_MIN_PAIRS = 32 * 32
 
 

@@ -111,8 +111,9 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 SPLIT_MIN_TILES = 4
 SPLIT_MAX_PROGRAMS = 256
 # The last range reduces the others' maxima with their loads unrolled 64 at a time, so
-# that compile time stays flat past that. On an H100 (forward_split_ranges_H100.md), one
-# doc of 2**20 tokens: 0.152 ms in 128 ranges, 0.102 in 256, 0.104 in 512.
+# that compile time stays flat past that (forward_split_ranges_H100_H200.md). One doc of
+# 2**20 tokens: H100 0.152 ms in 128 ranges, 0.102 in 256, 0.104 in 512; H200 0.150 in
+# 128, 0.090 in 256.
 SPLIT_MAX_RANGES = 256
 # What bounds the programs an SM holds: its shared memory and its registers, at this many
 # per thread (the compiler's count is known only after compiling).
