@@ -19,6 +19,7 @@ from lik.runtime import metal, registry, validate
 from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
+    cuda_index,
     gpu_family,
     lq_bucket,
     next_power_of_two,
@@ -145,8 +146,7 @@ def multiprocessors(device: torch.device) -> Multiprocessors:
     holds), or an H100's off CUDA."""
     if device.type != "cuda":
         return H100_MULTIPROCESSORS
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _cuda_multiprocessors(index)
+    return _cuda_multiprocessors(cuda_index(device))
 
 
 def programs_per_wave(config, smem_bytes: int, sms: Multiprocessors) -> int:

@@ -44,11 +44,16 @@ def size_class(programs: int) -> str:
     return "l"
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device, the current one where it names none ("cuda")."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def gpu_family(device: torch.device) -> str:
     """Tuning-table family of a device: the GPU generation, or 'interpreter' on CPU."""
     if device.type != "cuda":
         return "interpreter"
-    return _cuda_family(torch.cuda.current_device() if device.index is None else device.index)
+    return _cuda_family(cuda_index(device))
 
 
 @functools.cache
