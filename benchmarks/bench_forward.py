@@ -391,7 +391,7 @@ def markdown_report(report: dict) -> str:
         "",
         timing_table(report),
         "",
-        "## Back to back (ms per call, 200 calls in a row, one sync at the end)",
+        "## Back to back (ms per call, 200 calls in a row, one sync at the end; best of 3 rounds)",
         "",
         "A tight loop's rate. Where it exceeds the median above, the call's host work "
         "(checks, dispatch, launches) outlasts its kernels; the median then depends on "

@@ -145,9 +145,8 @@ def measure(key, layout, q, docs, weights, reference, timing) -> dict:
     graph_ms, graph_error = attempt(
         lambda: bench_ms(graph_replay(scores, q, docs, weights), **timing)
     )
-    loop_ms, loop_error = attempt(lambda: min(
-        back_to_back_ms(lambda: step(scores, q, docs, weights), calls=LOOP_STEPS)
-        for _ in range(LOOP_ROUNDS)
+    loop_ms, loop_error = attempt(lambda: back_to_back_ms(
+        lambda: step(scores, q, docs, weights), calls=LOOP_STEPS, rounds=LOOP_ROUNDS
     ))  # fmt: skip
     q.grad = docs.grad = None
     return {**result, "ms": timed, "peak_mib": peak, "error": error, "graph_ms": graph_ms,

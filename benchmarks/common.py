@@ -131,17 +131,21 @@ def bench_ms(fn: Callable[[], object], *, warmup_ms: int, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def back_to_back_ms(fn: Callable[[], object], *, calls: int = 200) -> float:
+def back_to_back_ms(fn: Callable[[], object], *, calls: int = 200, rounds: int = 3) -> float:
     """Wall-clock milliseconds per call of `calls` calls issued back to back, one sync at
-    the end: the rate of a tight loop. Above the GPU time, the call is bound by its host
-    work (argument checks, dispatch, kernel launches), not by the GPU."""
+    the end: the rate of a tight loop, the best of `rounds` (a host-paced rate moves with
+    the machine's other load). Above the GPU time, the call is bound by its host work
+    (argument checks, dispatch, kernel launches), not by the GPU."""
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / calls
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) * 1e3 / calls)
+    return best
 
 
 def cpu_wallclock_ms(fn: Callable[[], object], *, repeats: int = 5) -> float:
