@@ -349,7 +349,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--show", type=_int_at_least(0), default=10, help="queries in the table (default 10)"
     )
     retrieve.set_defaults(run=run_retrieve)
+    explain = commands.add_parser(
+        "explain",
+        help="what a maxsim call of a given shape launches, and why",
+        description="The generated kernel, tuning key and entry, launch config and strategy "
+        "(query stacking, doc blocks, token ranges, docs loaded once) that maxsim(Q, D) takes "
+        "for Q [Nq, Lq, d] and D [Nd, Ld, d], derived as a call derives them. Without a GPU "
+        "of that family, planned for an H100's 132 SMs.",
+    )
+    explain.add_argument(
+        "--shape", type=_shape, required=True, metavar="NQ,ND,LQ,LD,D",
+        help="queries, docs, query tokens, doc tokens, head dim (e.g. 16,32,32,8192,128)",
+    )  # fmt: skip
+    explain.add_argument("--dtype", choices=sorted(EXPLAIN_DTYPES), default="bf16")
+    explain.add_argument(
+        "--family", help="GPU family whose tuning table to read (default: this GPU's, else hopper)"
+    )
+    explain.set_defaults(run=run_explain)
     return parser
+
+
+EXPLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """argparse type: five positive integers separated by commas."""
+    parts = text.split(",")
+    if len(parts) != 5 or not all(part.strip().isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected five positive integers NQ,ND,LQ,LD,D, got {text!r}"
+        )
+    return tuple(int(part) for part in parts)
+
+
+def run_explain(args) -> int:
+    from lik.runtime.dispatch import TRITON_AVAILABLE
+    from lik.runtime.explain import explain_forward, render
+
+    if not TRITON_AVAILABLE:  # the plan reads the generated Triton modules
+        raise InputError("explains Triton launches; install Triton first (pip install triton)")
+    plan = explain_forward(args.shape, dtype=EXPLAIN_DTYPES[args.dtype], family=args.family)
+    print(render(plan))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -289,13 +289,27 @@ def _keyed_config(
     docs, the doc blocks or token ranges `docs` and `doc_tokens` (Nd and Ld) call for, and
     for docs loaded once the tile and warps of the "once" key."""
     config = _key_config(name, module, Q, lq, programs, kernel)
-    if getattr(module, "DOC_STREAM", False):  # inference-only modules: never a "bwd" key
-        dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
-        config = streamed_for(module, config, Q.shape[0], docs, doc_tokens, dense_bytes,
-                              Q.device)  # fmt: skip
-        if config.evict_docs:
-            config = with_once_tiles(config, _key_config(name, module, Q, lq, programs, "once"))
-    return config
+    if not getattr(module, "DOC_STREAM", False):  # streaming modules: never a "bwd" key
+        return config
+    dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
+    return stream_config(module, config, lambda: _key_config(name, module, Q, lq, programs, "once"),
+                         Q.shape[0], docs, doc_tokens, dense_bytes, Q.device)  # fmt: skip
+
+
+def stream_config(module, config, once_config, nq: int, nd: int, ld: int, dense_bytes: int,
+                  device):  # fmt: skip
+    """A streaming module's call config from its key's (streamed_for), with the tile and
+    warps of its "once" key's config (once_config(), asked only then) where its docs load
+    once. Calls and `lik explain` both go through here."""
+    config = streamed_for(module, config, nq, nd, ld, dense_bytes, device)
+    return with_once_tiles(config, once_config()) if config.evict_docs else config
+
+
+def wave_for(module, config, device) -> int:
+    """programs_per_wave of a module's config on `device` (an H100's off CUDA)."""
+    rows = config.block_q * config.query_group
+    smem = module.smem_bytes(rows, config.block_l, config.block_k, config.num_stages)
+    return programs_per_wave(config, smem, multiprocessors(device))
 
 
 def streamed_for(module, config, nq: int, nd: int, ld: int, dense_bytes: int, device):
@@ -303,9 +317,7 @@ def streamed_for(module, config, nq: int, nd: int, ld: int, dense_bytes: int, de
     stored uncompressed; modules whose doc loads take no evict-first hint (compressed PLAID
     docs) never get those loads. Calls and `make tune` both shape configs through here."""
     hinted = getattr(module, "EVICT_DOCS_OPTION", False)
-    rows = config.block_q * config.query_group
-    smem = module.smem_bytes(rows, config.block_l, config.block_k, config.num_stages)
-    wave = programs_per_wave(config, smem, multiprocessors(device))
+    wave = wave_for(module, config, device)
     return streamed(config, nq, nd, ld, dense_bytes if hinted else 0, wave=wave)
 
 

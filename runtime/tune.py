@@ -28,6 +28,7 @@ import torch
 
 from lik.runtime import dispatch, registry
 from lik.runtime.keys import (
+    LQ_CHUNK,
     KernelKey,
     gpu_family,
     lq_bucket,
@@ -87,12 +88,12 @@ BACKWARD_BLOCK_L = (16, 32, 64, 128)
 BACKWARD_STAGES = (1, 2, 3)
 
 
-def key_for(shape, family: str) -> KernelKey:
-    """The KernelKey dispatch builds for a plain bf16 maxsim(Q, D) call of this shape
-    (see dispatch._config; queries longer than 512 tokens are keyed by their chunk)."""
+def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16) -> KernelKey:
+    """The KernelKey dispatch builds for a plain maxsim(Q, D) call of this shape (see
+    dispatch._config; queries longer than LQ_CHUNK tokens are keyed by their first chunk)."""
     _, nq, nd, lq, _, d = shape
-    name = variant_name("dense", False, False, False, torch.bfloat16)
-    return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, 512)),
+    name = variant_name("dense", False, False, False, dtype)
+    return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, LQ_CHUNK)),
                      size_class(nq * nd), query_bucket(nq))  # fmt: skip
 
 

@@ -1,0 +1,86 @@
+"""`lik explain`: the plan it prints is the config a maxsim call of that shape launches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lik.cli import main
+from lik.runtime import dispatch
+from lik.runtime.explain import explain_forward, render
+from lik.runtime.keys import gpu_family
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(
+    "shape, strategy",
+    [
+        ((1, 2, 5, 300, 48), "doc_splits"),  # two long docs: token ranges
+        ((5, 12, 7, 20, 48), "flat_docs"),  # short docs: blocks streamed per program
+        ((3, 4, 9, 37, 40), None),  # one program per (query group, doc)
+    ],
+)
+def test_the_plan_is_the_config_a_call_launches(monkeypatch, shape, strategy):
+    # A call on this machine (the interpreter without a GPU) remembers the config it
+    # launched; the plan for this machine's family must be that config. Blocks of docs
+    # are sized for 4 programs, so that 12 short docs stream.
+    monkeypatch.setattr(dispatch, "STREAM_TARGET_PROGRAMS", 4)
+    nq, nd, lq, ld, d = shape
+    generator = torch.Generator().manual_seed(3)
+    Q = torch.randn(nq, lq, d, generator=generator).bfloat16().to(DEVICE)
+    D = torch.randn(nd, ld, d, generator=generator).bfloat16().to(DEVICE)
+    dispatch._call_configs.clear()
+    dispatch.forward("dense", Q, D, None, None, False, torch.empty(nq, nd, device=DEVICE))
+    (launched,) = dispatch._call_configs.values()
+    plan = explain_forward(shape, dtype=torch.bfloat16, family=gpu_family(DEVICE))
+    assert plan.config == launched
+    if strategy == "doc_splits":
+        assert plan.config.doc_splits > 1 and plan.programs == nd * plan.config.doc_splits
+    elif strategy == "flat_docs":
+        assert plan.config.flat_docs and plan.config.docs_per_program > 1
+    else:
+        assert plan.config.doc_splits == plan.config.docs_per_program == 1
+
+
+def test_prints_the_kernel_key_config_and_strategy_of_a_shape(capsys):
+    # longdoc on the committed Hopper table: 8 queries stacked, 4 token ranges per doc.
+    assert main(["explain", "--shape", "16,32,32,8192,128", "--family", "hopper"]) == 0
+    text = capsys.readouterr().out
+    key = "maxsim_dense_nomask_bf16_triton|128|32|s|q8"
+    assert f"{key} (entry in runtime/tuning/hopper.toml)" in text
+    assert "8 queries' tokens stacked per tile (256 rows)" in text
+    assert "4 token ranges per doc" in text and "256 per launch" in text
+
+
+def test_small_reranks_show_their_once_key_and_long_queries_their_chunks():
+    colbert = render(explain_forward((1, 1000, 32, 300, 128), family="hopper"))
+    assert "|once (entry in runtime/tuning/hopper.toml)" in colbert
+    assert "evict-first" in colbert
+    colpali = explain_forward((1, 500, 1024, 1024, 128), family="ampere")
+    assert colpali.chunks == 2 and not colpali.tuned
+    assert "2 launches over query chunks of at most 512 tokens" in render(colpali)
+    assert "no entry in runtime/tuning/ampere.toml: the default config" in render(colpali)
+
+
+@pytest.mark.parametrize("shape", ["1,2,3", "1,2,3,4,0", "a,b,c,d,e"])
+def test_a_bad_shape_exits_2_naming_the_option(shape, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", "--shape", shape])
+    assert exit_info.value.code == 2
+    assert "--shape: expected five positive integers NQ,ND,LQ,LD,D" in capsys.readouterr().err
+
+
+def test_the_readme_example_is_what_the_command_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("    $ lik explain --shape 16,32,32,8192,128")
+    block = readme[start:].split("\n\n", 1)[0].splitlines()[1:]
+    printed = render(explain_forward((16, 32, 32, 8192, 128), family="hopper"))
+    assert [line.removeprefix("    ") for line in block] == printed.splitlines()
+
+
+def test_a_head_dim_past_the_largest_exits_2_as_maxsim_raises(capsys):
+    assert main(["explain", "--shape", "4,100,32,180,1000"]) == 2
+    assert "head dim 1000 exceeds the largest supported, 512" in capsys.readouterr().err
