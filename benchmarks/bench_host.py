@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     attempt,
+    back_to_back_ms,
     environment_info,
     gpu_name,
     gpu_tag,
@@ -42,16 +42,7 @@ REPEATS = 3
 
 def per_call_us(fn, calls: int) -> float:
     """Best of REPEATS: wall-clock microseconds per call over `calls` calls, one sync."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - start) * 1e6 / calls)
-    return best
+    return back_to_back_ms(fn, calls=calls, rounds=REPEATS) * 1e3
 
 
 @contextlib.contextmanager
