@@ -63,9 +63,10 @@ bench:
 	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done
 
 # Sweeps launch configs for the benchmark shapes on this GPU and rewrites the committed
-# table runtime/tuning/<family>.toml (commit the result).
+# table runtime/tuning/<family>.toml, or with TUNE_ARGS="--card --shapes ..." this card's
+# own runtime/tuning/<family>/<card>.toml (commit the result).
 tune:
-	python3 -P -m lik.runtime.tune --out runtime/tuning
+	python3 -P -m lik.runtime.tune --out runtime/tuning $(TUNE_ARGS)
 
 # -P keeps the source tree's lik/ folder from shadowing the installed package.
 test-gpu:

@@ -365,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--family", help="GPU family whose tuning table to read (default: this GPU's, else hopper)"
     )
+    explain.add_argument(
+        "--card",
+        help="GPU name whose own tuning entries come first, e.g. 'NVIDIA H200' (default: "
+        "this GPU's, where it is of that family)",
+    )
     explain.set_defaults(run=run_explain)
     return parser
 
@@ -388,7 +393,9 @@ def run_explain(args) -> int:
 
     if not TRITON_AVAILABLE:  # the plan reads the generated Triton modules
         raise InputError("explains Triton launches; install Triton first (pip install triton)")
-    plan = explain_forward(args.shape, dtype=EXPLAIN_DTYPES[args.dtype], family=args.family)
+    plan = explain_forward(
+        args.shape, dtype=EXPLAIN_DTYPES[args.dtype], family=args.family, card=args.card
+    )
     print(render(plan))
     return 0
 

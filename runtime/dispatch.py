@@ -20,6 +20,7 @@ from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
     cuda_index,
+    gpu_card,
     gpu_family,
     lq_bucket,
     next_power_of_two,
@@ -276,7 +277,8 @@ def _key_config(name: str, module, Q: torch.Tensor, lq: int, programs: int, kern
     config = _configs.get(cache_key)
     if config is None:
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
-                        lq_bucket(lq), size_class(programs), queries, kernel)  # fmt: skip
+                        lq_bucket(lq), size_class(programs), queries, kernel,
+                        gpu_card(Q.device))  # fmt: skip
         config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
     return config
 

@@ -13,8 +13,8 @@ import dataclasses
 import torch
 
 from lik.runtime import dispatch, registry, tune, validate
-from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_family
-from lik.runtime.tuning import LaunchConfig, config_for, load_table
+from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
+from lik.runtime.tuning import LaunchConfig, committed_table, config_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +22,8 @@ class ForwardPlan:
     shape: tuple[int, int, int, int, int]  # Nq, Nd, Lq, Ld, d
     dtype: torch.dtype
     key: KernelKey  # the forward key of the first query chunk
-    tuned: bool  # the family's table has an entry for key (else tuning.default_config)
-    once_tuned: bool | None  # the same for the "once" key, where docs load once
+    table: str | None  # the table whose entry key takes (tuning.committed_table), or None
+    once_table: str | None  # the same for the "once" key (used where docs load once)
     config: LaunchConfig  # as launched: doc blocks, token ranges, tail peel, once tiles
     chunks: int  # launches over query-token chunks of at most LQ_CHUNK tokens
     wave: int  # programs of this config the GPU holds at once
@@ -38,10 +38,12 @@ class ForwardPlan:
 
 
 def explain_forward(
-    shape, *, dtype: torch.dtype = torch.bfloat16, family: str | None = None
-) -> ForwardPlan:
+    shape, *, dtype: torch.dtype = torch.bfloat16, family: str | None = None,
+    card: str | None = None,
+) -> ForwardPlan:  # fmt: skip
     """The plan of maxsim(Q [Nq, Lq, d], D [Nd, Ld, d]) in `dtype` for shape (Nq, Nd, Lq,
-    Ld, d), on `family`'s table (default: the local CUDA GPU's, else "hopper")."""
+    Ld, d), on `family`'s table (default: the local CUDA GPU's, else "hopper") and, first,
+    `card`'s own (default: the local GPU's where it is of that family, else none)."""
     nq, nd, lq, ld, d = (int(size) for size in shape)
     if min(nq, nd, lq, ld, d) < 1:
         raise ValueError(f"shape must be five positive sizes (Nq, Nd, Lq, Ld, d), got {shape}")
@@ -52,10 +54,11 @@ def explain_forward(
         family = gpu_family(device) if device.type == "cuda" else "hopper"
     elif device.type == "cuda" and family != gpu_family(device):
         device = torch.device("cpu")  # another GPU's plan: an H100's SM count
-    key = tune.key_for(("call", nq, nd, lq, ld, d), family, dtype)
+    if card is None:
+        card = gpu_card(device)
+    key = tune.key_for(("call", nq, nd, lq, ld, d), family, dtype, card)
     module = registry.load(key.variant)
     once_key = dataclasses.replace(key, kernel="once")
-    table = load_table(family)
     key_config = config_for(key, module.smem_bytes)
     config = dispatch.stream_config(
         module, key_config, lambda: config_for(once_key, module.smem_bytes),
@@ -65,8 +68,8 @@ def explain_forward(
         shape=(nq, nd, lq, ld, d),
         dtype=dtype,
         key=key,
-        tuned=key.table_key() in table,
-        once_tuned=(once_key.table_key() in table) if config.evict_docs else None,
+        table=committed_table(key),
+        once_table=committed_table(once_key),
         config=config,
         chunks=-(-lq // LQ_CHUNK),
         wave=dispatch.wave_for(module, config, device),
@@ -106,8 +109,10 @@ def strategy_lines(plan: ForwardPlan) -> list[str]:
     return lines
 
 
-def _entry(tuned: bool, table: str) -> str:
-    return f"entry in {table}" if tuned else f"no entry in {table}: the default config"
+def _entry(table: str | None, family: str) -> str:
+    if table is None:
+        return f"no entry in runtime/tuning/{family}.toml: the default config"
+    return f"entry in runtime/tuning/{table}"
 
 
 def _count(n: int, noun: str) -> str:
@@ -119,14 +124,16 @@ def render(plan: ForwardPlan) -> str:
     nq, nd, lq, ld, d = plan.shape
     config = plan.config
     dtype = str(plan.dtype).removeprefix("torch.")
-    table = f"runtime/tuning/{plan.key.family}.toml"
+    family = plan.key.family
+    gpus = f"{plan.key.card} ({family} family)" if plan.key.card else f"{family} GPUs"
     lines = [
-        f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]) in {dtype}, {plan.key.family} GPUs",
+        f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]) in {dtype}, {gpus}",
         f"  kernel    {plan.key.variant} (generated/triton/{plan.key.variant}.py)",
-        f"  key       {plan.key.table_key()} ({_entry(plan.tuned, table)})",
+        f"  key       {plan.key.table_key()} ({_entry(plan.table, family)})",
     ]
-    if plan.once_tuned is not None:
-        lines.append(f"  once key  {plan.key.table_key()}|once ({_entry(plan.once_tuned, table)})")
+    if config.evict_docs:
+        once = _entry(plan.once_table, family)
+        lines.append(f"  once key  {plan.key.table_key()}|once ({once})")
     lines += [
         f"  config    {config.block_q}-row query tiles x {config.block_l}-token doc tiles, "
         f"head dim {config.block_k}; {_count(config.num_warps, 'warp')}, "

@@ -56,6 +56,19 @@ def gpu_family(device: torch.device) -> str:
     return _cuda_family(cuda_index(device))
 
 
+def gpu_card(device: torch.device) -> str:
+    """The GPU's name ("NVIDIA H200"), whose own tuning entries come before its family's;
+    "" off CUDA."""
+    if device.type != "cuda":
+        return ""
+    return _cuda_card(cuda_index(device))
+
+
+@functools.cache  # looked up once per tuning key, but as costly as the capability
+def _cuda_card(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 @functools.cache
 def _cuda_family(index: int) -> str:
     # Cached: reading the capability costs ~10 us per call, in calls of a few tens of us.
@@ -120,6 +133,10 @@ class KernelKey:
     # its forward (grad_D's one-hot dots) and are tuned apart; "once" for the tile and
     # warps of a small rerank's unpipelined, evict-first doc loads (dispatch.streamed).
     kernel: str = "fwd"
+    # The GPU's name (gpu_card): cards of one family differ in bandwidth (an H200 reads
+    # 1.4x as fast as an H100), so a card's own table, where it has one, comes first.
+    # Not part of the table key.
+    card: str = ""
 
     def table_key(self) -> str:
         key = f"{self.variant}|{self.head_dim}|{self.lq}|{self.size}|q{self.queries}"

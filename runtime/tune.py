@@ -9,10 +9,13 @@ host work does not hide the differences). Shapes that share a KernelKey
 config whose times are the smallest multiple of each shape's own best (geometric mean)
 wins. A shape whose docs load once (dispatch.streamed: a small rerank's unpipelined,
 evict-first loads) tunes their tile and warps under its "once" key instead. Winners go
-to runtime/tuning/<family>.toml under their keys; the runtime then reads them: no sweep
-ever runs at call time.
+to runtime/tuning/<family>.toml under their keys, or with --card to this GPU's own
+table, runtime/tuning/<family>/<card>.toml, which calls on that card read first (for
+keys whose best config differs between cards of a family: an H200 reads memory 1.4x as
+fast as an H100, and its small reranks want other doc tiles). The runtime then reads
+them: no sweep ever runs at call time.
 
-    python3 -m lik.runtime.tune [--out runtime/tuning] [--shapes name,...] [--quick]
+    python3 -m lik.runtime.tune [--out runtime/tuning] [--shapes name,...] [--quick] [--card]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from lik.runtime import dispatch, registry
 from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
+    gpu_card,
     gpu_family,
     lq_bucket,
     padded_head_dim,
@@ -43,6 +47,7 @@ from lik.runtime.tuning import (
     config_for,
     default_query_group,
     load_table,
+    table_file,
 )
 
 # (name, Nq, Nd, Lq, Ld, d): the forward shapes of the performance suite.
@@ -88,20 +93,21 @@ BACKWARD_BLOCK_L = (16, 32, 64, 128)
 BACKWARD_STAGES = (1, 2, 3)
 
 
-def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16) -> KernelKey:
-    """The KernelKey dispatch builds for a plain maxsim(Q, D) call of this shape (see
-    dispatch._config; queries longer than LQ_CHUNK tokens are keyed by their first chunk)."""
+def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16, card: str = "") -> KernelKey:
+    """The KernelKey dispatch builds for a plain maxsim(Q, D) call of this shape on a card
+    of the family (see dispatch._config; queries longer than LQ_CHUNK tokens are keyed by
+    their first chunk). card "": the family's own entries alone."""
     _, nq, nd, lq, _, d = shape
     name = variant_name("dense", False, False, False, dtype)
     return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, LQ_CHUNK)),
-                     size_class(nq * nd), query_bucket(nq))  # fmt: skip
+                     size_class(nq * nd), query_bucket(nq), card=card)  # fmt: skip
 
 
-def once_key(shape, family: str) -> KernelKey | None:
+def once_key(shape, family: str, card: str = "") -> KernelKey | None:
     """The "once" key of a plain forward of this shape whose docs load once, else None;
     decided from its forward key's committed config (or default), as a call decides it."""
     _, nq, nd, lq, ld, d = shape
-    key = key_for(shape, family)
+    key = key_for(shape, family, card=card)
     module = registry.load(key.variant)
     config = config_for(key, module.smem_bytes)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: as on an H100
@@ -110,18 +116,18 @@ def once_key(shape, family: str) -> KernelKey | None:
     return dataclasses.replace(key, kernel="once")
 
 
-def tuned_key(shape, family: str) -> KernelKey:
+def tuned_key(shape, family: str, card: str = "") -> KernelKey:
     """The key a plain forward of this shape tunes: its "once" key, else its forward key."""
-    return once_key(shape, family) or key_for(shape, family)
+    return once_key(shape, family, card) or key_for(shape, family, card=card)
 
 
-def train_keys(shape, family: str) -> tuple[KernelKey, KernelKey]:
+def train_keys(shape, family: str, card: str = "") -> tuple[KernelKey, KernelKey]:
     """The forward and backward KernelKeys of a bf16 training step of this shape."""
     _, nq, nd, lq, _, d, layout = shape
     name = variant_name(layout, False, False, False, torch.bfloat16, backward=TRAIN_STRATEGY)
     queries = query_bucket(nq) if layout == "dense" else 1
     bucket = (name, family, padded_head_dim(d), lq_bucket(lq), size_class(nq * nd), queries)
-    return KernelKey(*bucket), KernelKey(*bucket, kernel="bwd")
+    return KernelKey(*bucket, card=card), KernelKey(*bucket, kernel="bwd", card=card)
 
 
 def candidates(key: KernelKey):
@@ -155,23 +161,23 @@ def _generator():
 
 def forward_run(module, shape, key: KernelKey):
     """run(config) -> (scores,) of a plain forward of this shape (its first 512 query
-    tokens where longer, as keyed), with the doc blocks or token ranges dispatch derives;
-    for a "once" key, config is the tile and warps of its docs-once loads."""
+    tokens where longer, as keyed), launched as a call would launch it were `config` the
+    key's committed entry (dispatch.stream_config: doc blocks, token ranges and, for a
+    "once" key, the tile and warps of its docs-once loads)."""
     _, nq, nd, lq, ld, d = shape
     g = _generator()
     Q = torch.randn(nq, min(lq, 512), d, device="cuda", generator=g).to(torch.bfloat16)
     D = torch.randn(nd, ld, d, device="cuda", generator=g).to(torch.bfloat16)
     out = torch.empty(nq, nd, device="cuda")
     dense_bytes = D.numel() * D.element_size()
-    forward_config = config_for(dataclasses.replace(key, kernel="fwd"), module.smem_bytes)
+    committed = {kernel: config_for(dataclasses.replace(key, kernel=kernel), module.smem_bytes)
+                 for kernel in ("fwd", "once")}  # fmt: skip
 
     def run(config):
-        if key.kernel == "once":
-            streamed = dispatch.streamed_for(module, forward_config, nq, nd, ld, dense_bytes,
-                                             D.device)  # fmt: skip
-            config = dispatch.with_once_tiles(streamed, config)
-        elif getattr(module, "DOC_STREAM", False):
-            config = dispatch.streamed_for(module, config, nq, nd, ld, dense_bytes, D.device)
+        if getattr(module, "DOC_STREAM", False):  # shaped as a call with `config` committed
+            swept = {**committed, key.kernel: config}
+            config = dispatch.stream_config(module, swept["fwd"], lambda: swept["once"], nq, nd,
+                                            ld, dense_bytes, D.device)  # fmt: skip
         module.launch(out, Q, D, config=config)
         return (out,)
 
@@ -292,30 +298,30 @@ def describe(config: LaunchConfig) -> str:
             f"num_stages={config.num_stages} query_group={config.query_group}{column}")  # fmt: skip
 
 
-def tune_forward(shapes, family: str, quick: bool):
+def tune_forward(shapes, family: str, card: str, quick: bool):
     """(table key, entry) per key of the plain forward shapes, shapes sharing a key
     tuned together."""
-    for group in shapes_by_key(shapes, family).values():
-        key = tuned_key(group[0], family)
+    for group in shapes_by_key(shapes, family, card).values():
+        key = tuned_key(group[0], family, card)
         module = registry.load(key.variant)
         runs = [forward_run(module, shape, key) for shape in group]
         yield tune_key(key, runs, ", ".join(shape[0] for shape in group), quick)
 
 
-def tune_training(shapes, family: str, quick: bool):
+def tune_training(shapes, family: str, card: str, quick: bool):
     """(table key, entry) for the forward and the backward key of each training shape."""
     for shape in shapes:
-        keys = train_keys(shape, family)
+        keys = train_keys(shape, family, card)
         runs = train_runs(registry.load(keys[0].variant), shape)
         for key, run in zip(keys, runs, strict=True):
             yield tune_key(key, [run], shape[0], quick)
 
 
-def shapes_by_key(shapes, family: str) -> dict[str, list]:
+def shapes_by_key(shapes, family: str, card: str = "") -> dict[str, list]:
     """Table key -> the shapes that resolve to it, in SHAPES order."""
     groups: dict[str, list] = {}
     for shape in shapes:
-        groups.setdefault(tuned_key(shape, family).table_key(), []).append(shape)
+        groups.setdefault(tuned_key(shape, family, card).table_key(), []).append(shape)
     return groups
 
 
@@ -329,14 +335,22 @@ def _toml_value(value) -> str:
     return str(value)
 
 
-def write_table(path: Path, family: str, entries: dict[str, dict]) -> None:
+def write_table(path: Path, family: str, entries: dict[str, dict], card: str = "") -> None:
+    """Writes a family's table, or with card, that card's own (keys absent from it fall
+    back to the family's)."""
+    if card:
+        title = f"# Launch configs of {card} cards, written by `make tune TUNE_ARGS=--card`."
+        absent = f"# Keys absent here use {table_file(family)}, their family's table."
+    else:
+        title = f"# Launch configs for the {family} GPU family, written by `make tune`."
+        absent = "# Keys absent here use lik.runtime.tuning.default_config."
     lines = [
-        f"# Launch configs for the {family} GPU family, written by `make tune`.",
+        title,
         '# Keys: "variant|padded head dim|Lq bucket|size class|q<query bucket>", then "|bwd" '
         "for a",
         "# training variant's backward kernels or \"|once\" for a small rerank's docs-once loads",
         "# (lik.runtime.keys.KernelKey).",
-        "# Keys absent here use lik.runtime.tuning.default_config. ms is the tuned median",
+        absent + " ms is the tuned median",
         "# (one per shape, in order, where shapes share a key) on the entry's card.",
         "[configs]",
     ]
@@ -351,24 +365,28 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "tuning")
     parser.add_argument("--shapes", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--card", action="store_true", help="write this GPU's own table, not its family's"
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or dispatch.backend(torch.device("cuda")) != "triton":
         print("make tune needs a CUDA GPU with Triton", file=sys.stderr)
         return 2
     family = gpu_family(torch.device("cuda"))
-    entries = dict(load_table(family))  # keep keys tuned earlier for other shapes
+    card = gpu_card(torch.device("cuda")) if args.card else ""
+    entries = dict(load_table(family, card))  # keep keys tuned earlier for other shapes
     wanted = set(args.shapes.split(",")) if args.shapes else None
     shapes = [s for s in SHAPES if not wanted or s[0] in wanted]
     train_shapes = [s for s in TRAIN_SHAPES if not wanted or s[0] in wanted]
-    results = itertools.chain(tune_forward(shapes, family, args.quick),
-                              tune_training(train_shapes, family, args.quick))  # fmt: skip
-    card = torch.cuda.get_device_name()  # per entry: a rerun for some shapes keeps the rest
+    results = itertools.chain(tune_forward(shapes, family, card, args.quick),
+                              tune_training(train_shapes, family, card, args.quick))  # fmt: skip
+    tuned_on = torch.cuda.get_device_name()  # per entry: a rerun for some shapes keeps the rest
     for result in results:
         if result:
-            entries[result[0]] = {**result[1], "card": card}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{family}.toml"
-    write_table(path, family, entries)
+            entries[result[0]] = {**result[1], "card": tuned_on}
+    path = args.out / table_file(family, card)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_table(path, family, entries, card)
     print(f"wrote {path} ({len(entries)} entries)")
     return 0
 

@@ -1,7 +1,9 @@
-"""KernelKey -> LaunchConfig, from the committed tuning table of the GPU family.
+"""KernelKey -> LaunchConfig, from the committed tuning tables of the GPU family and card.
 
-Tables live in runtime/tuning/<family>.toml and are written by `make tune` on a GPU.
-A key with no entry gets the family's heuristic default: no sweep ever runs at call time.
+Tables live in runtime/tuning/<family>.toml, and a card's own entries (where it differs
+from the card the family's were tuned on) in runtime/tuning/<family>/<card>.toml; `make
+tune` writes both on a GPU. A key with neither gets the family's heuristic default: no
+sweep ever runs at call time.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import re
 import tomllib
 
 from lik.runtime.keys import KernelKey
@@ -38,11 +41,26 @@ class LaunchConfig:
     interpret: bool = False
 
 
+TABLES = importlib.resources.files("lik.runtime") / "tuning"
+
+
+def table_file(family: str, card: str = "") -> str:
+    """A committed table's path under runtime/tuning: <family>.toml, or a card's own
+    entries in <family>/<card name, non-alphanumerics as _>.toml."""
+    if not card:
+        return f"{family}.toml"
+    return f"{family}/{re.sub(r'[^A-Za-z0-9]+', '_', card).strip('_')}.toml"
+
+
+def load_table(family: str, card: str = "") -> dict[str, dict]:
+    """The committed table of a family, or of one of its cards ({} if none): table_key ->
+    config fields (plus the ms, shape and card it was tuned with)."""
+    return _read_table(table_file(family, card))
+
+
 @functools.cache
-def load_table(family: str) -> dict[str, dict]:
-    """The committed table for a family ({} if none): table_key -> config fields (plus
-    the ms, shape and card it was tuned with)."""
-    resource = importlib.resources.files("lik.runtime") / "tuning" / f"{family}.toml"
+def _read_table(name: str) -> dict[str, dict]:
+    resource = TABLES.joinpath(*name.split("/"))
     if not resource.is_file():
         return {}
     return tomllib.loads(resource.read_text()).get("configs", {})
@@ -50,9 +68,29 @@ def load_table(family: str) -> dict[str, dict]:
 
 def load_tables() -> None:
     """Reads every committed table ahead of the first call (lik.runtime.prewarm)."""
-    for resource in (importlib.resources.files("lik.runtime") / "tuning").iterdir():
+    for resource in TABLES.iterdir():
         if resource.name.endswith(".toml"):
-            load_table(resource.name.removesuffix(".toml"))
+            _read_table(resource.name)
+        elif resource.is_dir():
+            for card in resource.iterdir():
+                if card.name.endswith(".toml"):
+                    _read_table(f"{resource.name}/{card.name}")
+
+
+def committed_table(key: KernelKey) -> str | None:
+    """The table (table_file) whose entry a key takes: its card's own where that has one,
+    else its family's; None where neither has (tuning.default_config then)."""
+    names = [table_file(key.family, key.card)] if key.card else []
+    for name in [*names, table_file(key.family)]:
+        if key.table_key() in _read_table(name):
+            return name
+    return None
+
+
+def committed_entry(key: KernelKey) -> dict | None:
+    """A key's entry in its committed_table, None where it has none."""
+    name = committed_table(key)
+    return None if name is None else _read_table(name)[key.table_key()]
 
 
 # Rows of a stacked query tile: 128 fills a Hopper tensor-core tile (wgmma M = 64 per
@@ -99,7 +137,7 @@ def default_config(key: KernelKey) -> dict[str, int]:
 
 def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
     """The launch config for a key; smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, stages) caps stages."""
-    entry = load_table(key.family).get(key.table_key()) or default_config(key)
+    entry = committed_entry(key) or default_config(key)
     stages = entry["num_stages"]
     limit = SMEM_LIMIT.get(key.family, DEFAULT_SMEM_LIMIT)
     query_group = entry.get("query_group", 1)

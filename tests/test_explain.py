@@ -60,9 +60,22 @@ def test_small_reranks_show_their_once_key_and_long_queries_their_chunks():
     assert "|once (entry in runtime/tuning/hopper.toml)" in colbert
     assert "evict-first" in colbert
     colpali = explain_forward((1, 500, 1024, 1024, 128), family="ampere")
-    assert colpali.chunks == 2 and not colpali.tuned
+    assert colpali.chunks == 2 and colpali.table is None
     assert "2 launches over query chunks of at most 512 tokens" in render(colpali)
     assert "no entry in runtime/tuning/ampere.toml: the default config" in render(colpali)
+
+
+def test_a_card_with_its_own_entries_takes_them_before_its_family_s(capsys):
+    # lateon-edge's docs-once tile: the H200's own table has one, the H100 takes the family's.
+    shape = "1,1000,32,1024,48"
+    assert main(["explain", "--shape", shape, "--family", "hopper", "--card", "NVIDIA H200"]) == 0
+    h200 = capsys.readouterr().out
+    assert "in bfloat16, NVIDIA H200 (hopper family)" in h200
+    assert "|once (entry in runtime/tuning/hopper/NVIDIA_H200.toml)" in h200
+    assert "64-token doc tiles, head dim 64; 1 warp, 1 stage" in h200
+    h100 = explain_forward((1, 1000, 32, 1024, 48), family="hopper", card="NVIDIA H100 80GB HBM3")
+    assert h100.once_table == "hopper.toml"
+    assert (h100.config.block_l, h100.config.num_warps) == (128, 2)
 
 
 @pytest.mark.parametrize("shape", ["1,2,3", "1,2,3,4,0", "a,b,c,d,e"])
@@ -77,7 +90,7 @@ def test_the_readme_example_is_what_the_command_prints():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = readme.index("    $ lik explain --shape 16,32,32,8192,128")
     block = readme[start:].split("\n\n", 1)[0].splitlines()[1:]
-    printed = render(explain_forward((16, 32, 32, 8192, 128), family="hopper"))
+    printed = render(explain_forward((16, 32, 32, 8192, 128), family="hopper", card=""))
     assert [line.removeprefix("    ") for line in block] == printed.splitlines()
 
 

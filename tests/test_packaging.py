@@ -60,7 +60,7 @@ def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_pa
         "assert platform_key.cache_info().currsize == 1, 'no platform key'\n"
         "import torch\n"
         "assert torch.cuda.is_initialized() is False, 'the warm-up must not start CUDA'\n"
-        "assert lik.runtime.tuning.load_table.cache_info().currsize >= 1, 'no table read'\n"
+        "assert lik.runtime.tuning._read_table.cache_info().currsize >= 1, 'no table read'\n"
         "hashed = hasattr(triton_cache.triton_key, 'cache_info')\n"
         "if hashed:\n"
         "    assert triton_cache.triton_key.cache_info().currsize == 1, 'no cache key'\n"

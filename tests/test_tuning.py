@@ -95,6 +95,69 @@ def test_every_committed_entry_names_the_card_it_was_tuned_on():
     assert cards and all(card.startswith("NVIDIA H") for card in cards.values()), cards
 
 
+def committed_card_tables():
+    """(family, card file name, its entries) of every committed card table."""
+    from lik.runtime.tuning import TABLES, _read_table
+
+    return [(family.name, table.name, _read_table(f"{family.name}/{table.name}"))
+            for family in TABLES.iterdir() if family.is_dir()
+            for table in family.iterdir() if table.name.endswith(".toml")]  # fmt: skip
+
+
+def test_a_card_table_holds_entries_tuned_on_that_card():
+    from lik.runtime.tuning import table_file
+
+    tables = committed_card_tables()
+    assert tables, "no card table is committed (the H200 has one)"
+    for family, name, entries in tables:
+        assert entries, f"{family}/{name} has no entries"
+        for key, entry in entries.items():
+            assert table_file(family, entry["card"]) == f"{family}/{name}", key
+            assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry), key
+
+
+def test_a_card_s_own_entries_come_before_its_family_s():
+    from lik.runtime.keys import KernelKey
+    from lik.runtime.tuning import committed_table, config_for, table_file
+
+    assert table_file("hopper", "NVIDIA H100 80GB HBM3") == "hopper/NVIDIA_H100_80GB_HBM3.toml"
+    lateon = tune.once_key(("lateon-edge", 1, 1000, 32, 1024, 48), "hopper")
+    module = registry.load(lateon.variant)
+
+    def tile(card):
+        key = dataclasses.replace(lateon, card=card)
+        config = config_for(key, module.smem_bytes)
+        return committed_table(key), config.block_l, config.num_warps
+
+    family = tile("")
+    assert family[0] == "hopper.toml"
+    assert tile("NVIDIA H100 80GB HBM3") == family  # no table of its own
+    h200 = tile("NVIDIA H200")
+    assert h200[0] == "hopper/NVIDIA_H200.toml" and h200[1:] != family[1:]
+    # A key the card's table lacks takes the family's entry.
+    longdoc = tune.key_for(("longdoc", 16, 32, 32, 8192, 128), "hopper", card="NVIDIA H200")
+    assert committed_table(longdoc) == "hopper.toml"
+    unknown = KernelKey("maxsim_dense_nomask_bf16_triton", "hopper", 128, 16, "l", 1, card="X")
+    assert committed_table(unknown) is None
+
+
+def test_a_call_keys_its_config_by_the_gpu_it_runs_on(monkeypatch):
+    from lik.runtime import maxsim, tuning
+
+    monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(dispatch, "gpu_card", lambda device: "a card")
+    cards = []
+
+    def recording_config_for(key, smem_bytes):
+        cards.append(key.card)
+        return tuning.config_for(key, smem_bytes)
+
+    monkeypatch.setattr(dispatch, "config_for", recording_config_for)
+    maxsim(torch.randn(2, 5, 16), torch.randn(3, 20, 16))
+    assert cards and set(cards) == {"a card"}
+
+
 @pytest.mark.parametrize("shape", tune.TRAIN_SHAPES, ids=[s[0] for s in tune.TRAIN_SHAPES])
 def test_training_shapes_resolve_forward_and_backward_hopper_entries(shape):
     forward, backward = tune.train_keys(shape, "hopper")
@@ -356,3 +419,7 @@ def test_a_written_table_reads_back_as_written(tmp_path):
     entries = {"v|128|32|l|q8": entry}
     tune.write_table(tmp_path / "hopper.toml", "hopper", entries)
     assert tomllib.loads((tmp_path / "hopper.toml").read_text())["configs"] == entries
+    tune.write_table(tmp_path / "card.toml", "hopper", entries, card="a GPU")
+    text = (tmp_path / "card.toml").read_text()
+    assert "Keys absent here use hopper.toml" in text
+    assert tomllib.loads(text)["configs"] == entries
