@@ -64,7 +64,7 @@ def gpu_card(device: torch.device) -> str:
     return _cuda_card(cuda_index(device))
 
 
-@functools.cache  # looked up once per tuning key, but as costly as the capability
+@functools.cache  # a driver query, as the capability's; read once per device
 def _cuda_card(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
