@@ -5,6 +5,7 @@ in one run on one card.
     python3 benchmarks/bench_plaid.py --out DIR [--quick]
     python3 benchmarks/bench_plaid.py --out DIR --dry-run   # CPU interpreter, tiny sizes
     python3 benchmarks/bench_plaid.py --out DIR --sweep --write-table   # retune PLAID keys
+    python3 benchmarks/bench_plaid.py --out DIR --sweep --write-table --card   # this card's own
 
 One query (Lq 32, d 128) against 1000 and 4096 candidate docs of 64-300 tokens, nbits 2
 and 4, fp16 centroids (65536 of them, as an index of a few million passages has), int32
@@ -241,17 +242,18 @@ def _sweep_layout(module, launch, default, n_docs: int, dim: int, timing) -> dic
     }
 
 
-def write_sweep_table(directory: Path, entries: dict[str, dict]) -> None:
-    """Merges entries into this GPU family's table (keys not swept here are kept), written
-    into directory the way `make tune` writes it."""
-    from lik.runtime.keys import gpu_family
+def write_sweep_table(directory: Path, entries: dict[str, dict], card: bool = False) -> None:
+    """Merges entries into this GPU family's table, or with card into this GPU's own
+    (keys not swept here are kept), written into directory the way `make tune` writes it."""
+    from lik.runtime.keys import gpu_card, gpu_family
     from lik.runtime.tune import write_table
-    from lik.runtime.tuning import load_table
+    from lik.runtime.tuning import load_table, table_file
 
     family = gpu_family(torch.device("cuda"))
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{family}.toml"
-    write_table(path, family, {**load_table(family), **entries})
+    name = gpu_card(torch.device("cuda")) if card else ""
+    path = directory / table_file(family, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_table(path, family, {**load_table(family, name), **entries}, name)
     print(f"wrote {len(entries)} entries into {path}", flush=True)
 
 
@@ -294,6 +296,9 @@ def main(argv=None) -> int:
                         help="with --sweep: merge the fastest configs into this GPU "
                              "family's tuning table, <family>.toml in DIR (default: the "
                              "committed runtime/tuning)")
+    parser.add_argument("--card", action="store_true",
+                        help="with --write-table: into this GPU's own table instead, "
+                             "<family>/<card>.toml in DIR")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU under the Triton interpreter, tiny sizes, no peers")  # fmt: skip
     args = parser.parse_args(argv)
@@ -323,7 +328,8 @@ def main(argv=None) -> int:
             if args.sweep and not args.dry_run:
                 report.setdefault("sweep", {})[case] = sweep_case(n_docs, nbits, args, timing)
     if args.write_table and report.get("sweep"):
-        write_sweep_table(args.write_table, table_entries(report["sweep"], report["gpu"]))
+        entries = table_entries(report["sweep"], report["gpu"])
+        write_sweep_table(args.write_table, entries, card=args.card)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"plaid_{gpu_tag(report['gpu'])}"
     write_json(args.out / f"{stem}.json", report)

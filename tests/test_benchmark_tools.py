@@ -55,3 +55,23 @@ def test_plaid_sweep_winners_become_table_entries(tmp_path):
     write_table(tmp_path / "hopper.toml", "hopper", {**kept, **entries})
     table = tomllib.loads((tmp_path / "hopper.toml").read_text())["configs"]
     assert table == {**kept, **entries}
+
+
+def test_plaid_sweep_winners_can_go_to_the_card_s_own_table(tmp_path, monkeypatch):
+    import tomllib
+
+    import lik.runtime.keys
+
+    bench_plaid = pytest.importorskip("bench_plaid")
+    monkeypatch.setattr(lik.runtime.keys, "gpu_family", lambda device: "hopper")
+    monkeypatch.setattr(lik.runtime.keys, "gpu_card", lambda device: "NVIDIA H200")
+    entries = {"a_res2|128|32|s|q1": {"block_l": 64, "num_warps": 4, "num_stages": 1,
+                                      "card": "NVIDIA H200"}}  # fmt: skip
+    bench_plaid.write_sweep_table(tmp_path, entries, card=True)
+    text = (tmp_path / "hopper" / "NVIDIA_H200.toml").read_text()
+    assert text.startswith("# Launch configs of NVIDIA H200 cards")
+    table = tomllib.loads(text)["configs"]
+    # The committed H200 entries are kept, the swept one added.
+    assert table["a_res2|128|32|s|q1"] == entries["a_res2|128|32|s|q1"]
+    assert "maxsim_dense_nomask_bf16_triton|64|32|s|q1|once" in table
+    assert not (tmp_path / "hopper.toml").exists()
