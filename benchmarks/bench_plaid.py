@@ -246,14 +246,11 @@ def write_sweep_table(directory: Path, entries: dict[str, dict], card: bool = Fa
     """Merges entries into this GPU family's table, or with card into this GPU's own
     (keys not swept here are kept), written into directory the way `make tune` writes it."""
     from lik.runtime.keys import gpu_card, gpu_family
-    from lik.runtime.tune import write_table
-    from lik.runtime.tuning import load_table, table_file
+    from lik.runtime.tune import merge_into_table
 
     family = gpu_family(torch.device("cuda"))
     name = gpu_card(torch.device("cuda")) if card else ""
-    path = directory / table_file(family, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_table(path, family, {**load_table(family, name), **entries}, name)
+    path = merge_into_table(directory, family, name, entries)
     print(f"wrote {len(entries)} entries into {path}", flush=True)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from lik.runtime import dispatch, registry, tune, validate
 from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
-from lik.runtime.tuning import LaunchConfig, committed_table, config_for
+from lik.runtime.tuning import LaunchConfig, committed_table, config_for, table_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def strategy_lines(plan: ForwardPlan) -> list[str]:
 
 def _entry(table: str | None, family: str) -> str:
     if table is None:
-        return f"no entry in runtime/tuning/{family}.toml: the default config"
+        return f"no entry in runtime/tuning/{table_file(family)}: the default config"
     return f"entry in runtime/tuning/{table}"
 
 

@@ -360,6 +360,16 @@ def write_table(path: Path, family: str, entries: dict[str, dict], card: str = "
     path.write_text("\n".join(lines) + "\n")
 
 
+def merge_into_table(directory: Path, family: str, card: str, entries: dict[str, dict]) -> Path:
+    """Writes the family's committed table (or with card, that card's) with `entries` in
+    place of, or beside, its own (keys tuned earlier for other shapes are kept) into
+    directory; returns the file written."""
+    path = directory / table_file(family, card)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_table(path, family, {**load_table(family, card), **entries}, card)
+    return path
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "tuning")
@@ -374,20 +384,15 @@ def main(argv=None) -> int:
         return 2
     family = gpu_family(torch.device("cuda"))
     card = gpu_card(torch.device("cuda")) if args.card else ""
-    entries = dict(load_table(family, card))  # keep keys tuned earlier for other shapes
     wanted = set(args.shapes.split(",")) if args.shapes else None
     shapes = [s for s in SHAPES if not wanted or s[0] in wanted]
     train_shapes = [s for s in TRAIN_SHAPES if not wanted or s[0] in wanted]
     results = itertools.chain(tune_forward(shapes, family, card, args.quick),
                               tune_training(train_shapes, family, card, args.quick))  # fmt: skip
     tuned_on = torch.cuda.get_device_name()  # per entry: a rerun for some shapes keeps the rest
-    for result in results:
-        if result:
-            entries[result[0]] = {**result[1], "card": tuned_on}
-    path = args.out / table_file(family, card)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_table(path, family, entries, card)
-    print(f"wrote {path} ({len(entries)} entries)")
+    entries = {key: {**entry, "card": tuned_on} for key, entry in filter(None, results)}
+    path = merge_into_table(args.out, family, card, entries)
+    print(f"wrote {len(entries)} entries into {path}")
     return 0
 
 
