@@ -165,7 +165,7 @@ def test_split_long_docs_reduce_every_range(monkeypatch, ranges):
     D[:, ld - 10] = 4 * Q[1, 0]  # one clear winner in the last range
     ref = maxsim_reference(Q.double(), D.double())
     winners = torch.einsum("qsd,ntd->qnst", Q.double(), D.double()).argmax(-1)
-    assert (winners >= 32 * (ranges - 4)).float().mean() > 0.04
+    assert (winners >= 32 * (ranges - 4)).float().mean() > 0.1
     dispatch._call_configs.clear()
     out = _run(variant, Q, D, q_mask, d_mask, shape)
     (config,) = dispatch._call_configs.values()
