@@ -22,6 +22,7 @@ from common import (
     attempt,
     back_to_back_ms,
     bench_ms,
+    clean_l2_ms,
     cpu_wallclock_ms,
     environment_info,
     first_call_seconds,
@@ -114,6 +115,8 @@ IMPLEMENTATIONS = {
     "torch_compile": ("compile", build_torch_compile),
 }
 PEERS = ("late_interaction_kernels", "flash_maxsim")
+# Timed a second way, with L2 left clean, on the memory-bound shapes (common.clean_l2_ms).
+CLEAN_L2_IMPLEMENTATIONS = ("lik", *PEERS)
 # Without a GPU only the pure-PyTorch paths (and lik's CPU path, if present) can run.
 DRY_RUN_IMPLEMENTATIONS = ("lik", "eager")
 
@@ -151,6 +154,7 @@ def empty_result(error: str | None) -> dict:
     return {
         "ms": None,
         "back_to_back_ms": None,
+        "clean_l2_ms": None,
         "pct_roofline": None,
         "peak_mib": None,
         "first_call_s": None,
@@ -172,18 +176,19 @@ def check_parity(scores: Callable, q, docs, reference, indices) -> dict:
     }
 
 
-def time_implementation(scores: Callable, input_sets, args) -> dict:
+def time_implementation(scores: Callable, input_sets, args, clean_l2: bool) -> dict:
     if args.dry_run:
         return {"ms": cpu_wallclock_ms(rotating(scores, input_sets)), "peak_mib": None}
     timing = TIMING["quick" if args.quick else "full"]
     ms = bench_ms(rotating(scores, input_sets), **timing)
     loop_ms = back_to_back_ms(rotating(scores, input_sets))
+    clean_ms = clean_l2_ms(rotating(scores, input_sets)) if clean_l2 else None
     q, docs = input_sets[0]
-    return {"ms": ms, "back_to_back_ms": loop_ms,
+    return {"ms": ms, "back_to_back_ms": loop_ms, "clean_l2_ms": clean_ms,
             "peak_mib": peak_extra_memory_mib(lambda: scores(q, docs))}  # fmt: skip
 
 
-def measure_implementation(key: str, input_sets, reference, indices, floor_ms, args) -> dict:
+def measure_implementation(key: str, input_sets, reference, indices, floor, args) -> dict:
     if args.dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
         return empty_result("skipped in dry run")
     scores, error = attempt(IMPLEMENTATIONS[key][1])
@@ -196,21 +201,23 @@ def measure_implementation(key: str, input_sets, reference, indices, floor_ms, a
         result["error"] = error
         return result
     result.update(parity)
-    timing, error = attempt(lambda: time_implementation(scores, input_sets, args))
+    clean_l2 = floor["bound"] == "memory" and key in CLEAN_L2_IMPLEMENTATIONS
+    timing, error = attempt(lambda: time_implementation(scores, input_sets, args, clean_l2))
     if error:
         result["error"] = error
         return result
     result.update(timing)
-    result["pct_roofline"] = percent_of_roofline(floor_ms, result["ms"])
+    result["pct_roofline"] = percent_of_roofline(floor["floor_ms"], result["ms"])
     return result
 
 
-def time_doc_read(input_sets, args) -> tuple[float | None, str | None]:
-    """(ms, how) of the fastest read of the docs alone (benchmarks/read_ceiling.py: a
-    sweep of read kernels and PyTorch's sum, the winner re-timed like the
-    implementations): what a memory-bound MaxSim cannot beat at this size."""
+def time_doc_read(input_sets, args) -> tuple[float | None, float | None, str | None]:
+    """(ms, ms with L2 left clean, how) of the fastest read of the docs alone
+    (benchmarks/read_ceiling.py: a sweep of read kernels and PyTorch's sum, the winner
+    re-timed like the implementations): what a memory-bound MaxSim cannot beat at this
+    size."""
     if args.dry_run:
-        return None, None
+        return None, None, None
     from read_ceiling import fastest_read
 
     docs = input_sets[0][1]
@@ -221,10 +228,11 @@ def time_doc_read(input_sets, args) -> tuple[float | None, str | None]:
 
     found, error = attempt(lambda: fastest_read(docs, quick_ms))
     if found is None:
-        return None, error
+        return None, None, error
     name, call = found
     ms, _ = attempt(lambda: bench_ms(call, **timing))
-    return ms, name
+    clean_ms, _ = attempt(lambda: clean_l2_ms(call))
+    return ms, clean_ms, name
 
 
 def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
@@ -236,7 +244,7 @@ def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
         q.index_select(0, indices[0]), docs.index_select(0, indices[1])
     )
     floor = roofline_floor(shape, ceilings)
-    read_ms, read_by = time_doc_read(input_sets, args)
+    read_ms, read_clean_ms, read_by = time_doc_read(input_sets, args)
     record = {
         **shape.as_dict(),
         "input_mb": shape.input_bytes() / 1e6,
@@ -246,14 +254,13 @@ def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
         "reference": reference_name,
         **floor,
         "read_docs_ms": read_ms,
+        "read_docs_clean_l2_ms": read_clean_ms,
         "read_docs_by": read_by,
         "results": {},
     }
     for key in keys:
         print(f"  {IMPLEMENTATIONS[key][0]} ...", flush=True)
-        result = measure_implementation(
-            key, input_sets, reference, indices, floor["floor_ms"], args
-        )
+        result = measure_implementation(key, input_sets, reference, indices, floor, args)
         record["results"][key] = result
         print(f"    {describe_result(result)}", flush=True)
     del input_sets, q, docs, reference
@@ -309,6 +316,41 @@ def timing_table(report: dict) -> str:
                 format_ratio(lik_pct, "%"),
                 format_ratio(read_pct, "%"),
                 *(format_ratio(speedup(record, p)) for p in PEERS),
+            ]
+        )
+    return markdown_table(headers, rows)
+
+
+def clean_l2_table(report: dict) -> str | None:
+    """The memory-bound shapes timed with L2 left clean at each call's start; None when
+    the run has none."""
+    records = [r for r in report["shapes"] if r.get("read_docs_clean_l2_ms")]
+    if not records:
+        return None
+    keys = [k for k in CLEAN_L2_IMPLEMENTATIONS if k in report["implementations"]]
+    headers = [
+        "shape",
+        "floor",
+        "read D once",
+        *(IMPLEMENTATIONS[k][0] for k in keys),
+        "lik % roofline",
+        "lik % read",
+        "lik vs faster peer",
+    ]
+    rows = []
+    for record in records:
+        ms = {k: record["results"].get(k, {}).get("clean_l2_ms") for k in keys}
+        peers = [ms[p] for p in PEERS if ms.get(p)]
+        read_ms = record["read_docs_clean_l2_ms"]
+        rows.append(
+            [
+                record["name"],
+                format_ms(record["floor_ms"]),
+                format_ms(read_ms),
+                *(format_ms(ms[k]) for k in keys),
+                format_ratio(percent_of_roofline(record["floor_ms"], ms.get("lik")), "%"),
+                format_ratio(percent_of_roofline(read_ms, ms.get("lik")), "%"),
+                format_ratio(min(peers) / ms["lik"] if peers and ms.get("lik") else None),
             ]
         )
     return markdown_table(headers, rows)
@@ -391,6 +433,21 @@ def markdown_report(report: dict) -> str:
         "",
         timing_table(report),
         "",
+    ]
+    clean = clean_l2_table(report)
+    if clean:
+        parts += [
+            "## Memory-bound shapes with L2 left clean (median ms of 300 calls, CUDA events)",
+            "",
+            "do_bench empties L2 before each call by writing a 256 MB buffer, so the timed "
+            "call also writes back the dirty lines that buffer left in L2 while it reads "
+            "its docs. Here L2 is emptied by reading the buffer instead (common.clean_l2_ms): "
+            "what a call costs after a kernel that only read. Same floors as above.",
+            "",
+            clean,
+            "",
+        ]
+    parts += [
         "## Back to back (ms per call, 200 calls in a row, one sync at the end; best of 3 rounds)",
         "",
         "A tight loop's rate. Where it exceeds the median above, the call's host work "

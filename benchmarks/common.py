@@ -131,6 +131,36 @@ def bench_ms(fn: Callable[[], object], *, warmup_ms: int, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+# do_bench empties L2 before each timed call by writing a 256 MB buffer, which leaves L2
+# full of dirty lines: the timed call then writes them back to memory while it reads its
+# own inputs. On an H100 that adds ~10 us to a 262 MB rerank (results/l2_flush_H100.md).
+# clean_l2_ms empties L2 by reading the buffer instead: the same eviction, nothing to
+# write back, as when the kernel before a call only read.
+L2_FLUSH_BYTES = 256 * 2**20
+_l2_flush_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def clean_l2_ms(fn: Callable[[], object], *, reps: int = 300) -> float:
+    """Median milliseconds of `fn` on the GPU, each call timed with CUDA events after a
+    read of a 256 MB buffer (L2 evicted and left clean)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _l2_flush_buffers:
+        _l2_flush_buffers[device] = torch.ones(L2_FLUSH_BYTES // 4, device=device)
+    flush = _l2_flush_buffers[device]
+    for _ in range(3):  # compilation, autotuning, first-touch allocations
+        fn()
+    events = []
+    for _ in range(reps):
+        flush.sum()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
 def back_to_back_ms(fn: Callable[[], object], *, calls: int = 200, rounds: int = 3) -> float:
     """Wall-clock milliseconds per call of `calls` calls issued back to back, one sync at
     the end: the rate of a tight loop, the best of `rounds` (a host-paced rate moves with

@@ -75,3 +75,32 @@ def test_plaid_sweep_winners_can_go_to_the_card_s_own_table(tmp_path, monkeypatc
     assert table["a_res2|128|32|s|q1"] == entries["a_res2|128|32|s|q1"]
     assert "maxsim_dense_nomask_bf16_triton|64|32|s|q1|once" in table
     assert not (tmp_path / "hopper.toml").exists()
+
+
+def test_forward_report_has_the_clean_l2_table_for_memory_bound_shapes():
+    """The clean-L2 table lists the memory-bound shapes timed that way, with lik against
+    the faster peer, and is left out of a run that has none."""
+    bench_forward = pytest.importorskip("bench_forward")
+
+    def result(ms, clean):
+        return {**bench_forward.empty_result(None), "ms": ms, "clean_l2_ms": clean}
+
+    memory = {
+        "name": "text-long", "Nq": 1, "Nd": 1000, "Lq": 32, "Ld": 1024, "d": 128,
+        "floor_ms": 0.087, "bound": "memory", "read_docs_ms": 0.093,
+        "read_docs_clean_l2_ms": 0.086,
+        "results": {"lik": result(0.100, 0.091), "late_interaction_kernels": result(0.102, 0.095),
+                    "flash_maxsim": result(0.105, 0.093)},
+    }  # fmt: skip
+    compute = {
+        **memory, "name": "longdoc", "bound": "compute", "read_docs_ms": None,
+        "read_docs_clean_l2_ms": None,
+    }  # fmt: skip
+    report = {"implementations": list(bench_forward.IMPLEMENTATIONS), "shapes": [memory, compute]}
+    table = bench_forward.clean_l2_table(report)
+    rows = [line for line in table.splitlines() if line.startswith("| text-long")]
+    assert len(rows) == 1 and "longdoc" not in table
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert cells[3:6] == ["0.091", "0.095", "0.093"]  # lik, LIK, flash with L2 clean
+    assert cells[6] == "95.60%" and cells[8] == "1.02x"  # 0.087 / 0.091; 0.093 / 0.091
+    assert bench_forward.clean_l2_table({**report, "shapes": [compute]}) is None
