@@ -324,7 +324,7 @@ def timing_table(report: dict) -> str:
 def clean_l2_table(report: dict) -> str | None:
     """The memory-bound shapes timed with L2 left clean at each call's start; None when
     the run has none."""
-    records = [r for r in report["shapes"] if r.get("read_docs_clean_l2_ms")]
+    records = [r for r in report["shapes"] if r.get("bound") == "memory"]
     if not records:
         return None
     keys = [k for k in CLEAN_L2_IMPLEMENTATIONS if k in report["implementations"]]

@@ -73,7 +73,7 @@ def test_plaid_sweep_winners_can_go_to_the_card_s_own_table(tmp_path, monkeypatc
     table = tomllib.loads(text)["configs"]
     # The committed H200 entries are kept, the swept one added.
     assert table["a_res2|128|32|s|q1"] == entries["a_res2|128|32|s|q1"]
-    assert "maxsim_dense_nomask_bf16_triton|64|32|s|q1|once" in table
+    assert "maxsim_dense_nomask_bf16_triton|128|128|s|q1" in table
     assert not (tmp_path / "hopper.toml").exists()
 
 

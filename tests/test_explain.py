@@ -66,16 +66,16 @@ def test_small_reranks_show_their_once_key_and_long_queries_their_chunks():
 
 
 def test_a_card_with_its_own_entries_takes_them_before_its_family_s(capsys):
-    # lateon-edge's docs-once tile: the H200's own table has one, the H100 takes the family's.
-    shape = "1,1000,32,1024,48"
+    # colpali-rerank's tile: the H200's own table has one, the H100 takes the family's.
+    shape = "1,1000,128,1024,128"
     assert main(["explain", "--shape", shape, "--family", "hopper", "--card", "NVIDIA H200"]) == 0
     h200 = capsys.readouterr().out
     assert "in bfloat16, NVIDIA H200 (hopper family)" in h200
-    assert "|once (entry in runtime/tuning/hopper/NVIDIA_H200.toml)" in h200
-    assert "64-token doc tiles, head dim 64; 1 warp, 1 stage" in h200
-    h100 = explain_forward((1, 1000, 32, 1024, 48), family="hopper", card="NVIDIA H100 80GB HBM3")
-    assert h100.once_table == "hopper.toml"
-    assert (h100.config.block_l, h100.config.num_warps) == (128, 2)
+    assert "|q1 (entry in runtime/tuning/hopper/NVIDIA_H200.toml)" in h200
+    assert "64-token doc tiles, head dim 128; 8 warps, 4 stages" in h200
+    h100 = explain_forward((1, 1000, 128, 1024, 128), family="hopper", card="NVIDIA H100 80GB HBM3")
+    assert h100.table == "hopper.toml"
+    assert (h100.config.num_warps, h100.config.num_stages) == (4, 3)
 
 
 @pytest.mark.parametrize("shape", ["1,2,3", "1,2,3,4,0", "a,b,c,d,e"])

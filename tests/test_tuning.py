@@ -121,13 +121,13 @@ def test_a_card_s_own_entries_come_before_its_family_s():
     from lik.runtime.tuning import committed_table, config_for, table_file
 
     assert table_file("hopper", "NVIDIA H100 80GB HBM3") == "hopper/NVIDIA_H100_80GB_HBM3.toml"
-    lateon = tune.once_key(("lateon-edge", 1, 1000, 32, 1024, 48), "hopper")
-    module = registry.load(lateon.variant)
+    colpali = tune.key_for(("colpali-rerank", 1, 1000, 128, 1024, 128), "hopper")
+    module = registry.load(colpali.variant)
 
     def tile(card):
-        key = dataclasses.replace(lateon, card=card)
+        key = dataclasses.replace(colpali, card=card)
         config = config_for(key, module.smem_bytes)
-        return committed_table(key), config.block_l, config.num_warps
+        return committed_table(key), config.block_l, config.num_warps, config.num_stages
 
     family = tile("")
     assert family[0] == "hopper.toml"
