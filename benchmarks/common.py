@@ -131,34 +131,14 @@ def bench_ms(fn: Callable[[], object], *, warmup_ms: int, rep_ms: int) -> float:
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-# do_bench empties L2 before each timed call by writing a 256 MB buffer, which leaves L2
-# full of dirty lines: the timed call then writes them back to memory while it reads its
-# own inputs. On an H100 that adds ~10 us to a 262 MB rerank (results/l2_flush_H100.md).
-# clean_l2_ms empties L2 by reading the buffer instead: the same eviction, nothing to
-# write back, as when the kernel before a call only read.
-L2_FLUSH_BYTES = 256 * 2**20
-_l2_flush_buffers: dict[torch.device, torch.Tensor] = {}
-
-
 def clean_l2_ms(fn: Callable[[], object], *, reps: int = 300) -> float:
-    """Median milliseconds of `fn` on the GPU, each call timed with CUDA events after a
-    read of a 256 MB buffer (L2 evicted and left clean)."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _l2_flush_buffers:
-        _l2_flush_buffers[device] = torch.ones(L2_FLUSH_BYTES // 4, device=device)
-    flush = _l2_flush_buffers[device]
-    for _ in range(3):  # compilation, autotuning, first-touch allocations
-        fn()
-    events = []
-    for _ in range(reps):
-        flush.sum()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        events.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    """Median milliseconds of `fn` on the GPU with L2 left clean before each call: do_bench
+    empties L2 by writing a 256 MB buffer, whose dirty lines the timed call then writes
+    back (H100: ~10 us of a 262 MB rerank, results/l2_flush_H100.md); this reads it
+    instead, as after a kernel that only read. make tune's timer for its near-ties."""
+    from lik.runtime.tune import clean_l2_ms as timed  # GPU runs only, lik installed
+
+    return timed(fn, reps=reps)
 
 
 def back_to_back_ms(fn: Callable[[], object], *, calls: int = 200, rounds: int = 3) -> float:

@@ -423,3 +423,27 @@ def test_a_written_table_reads_back_as_written(tmp_path):
     text = (tmp_path / "card.toml").read_text()
     assert "Keys absent here use hopper.toml" in text
     assert tomllib.loads(text)["configs"] == entries
+
+
+def test_a_near_tie_clearly_faster_with_l2_clean_takes_the_key():
+    # do_bench times (us) for two shapes: "close" ties with "best" (within 1%), "slow" not.
+    times = {"best": [44.2, 100.0], "close": [44.3, 100.5], "slow": [47.0, 103.0]}
+    clean = {"best": [43.0, 91.0], "close": [40.2, 90.0], "slow": [38.0, 80.0]}
+    asked = []
+
+    def clean_times(candidate):
+        asked.append(candidate)
+        return clean[candidate]
+
+    # "close" runs 4% under "best" with L2 clean: it wins; "slow" is no near-tie.
+    assert tune.clean_l2_tie_break(times, clean_times) == "close"
+    assert sorted(asked) == ["best", "close"]
+    # A gain under CLEAN_WIN's 3% is noise: do_bench's winner stays.
+    clean["close"] = [42.0, 89.5]
+    assert tune.clean_l2_tie_break(times, clean_times) == "best"
+    # Without a near-tie nothing is timed again.
+    asked.clear()
+    alone = {"best": times["best"], "slow": times["slow"]}
+    assert tune.clean_l2_tie_break(alone, clean_times) == "best"
+    assert asked == []
+    assert tune.clean_l2_tie_break({"failed": [None, 1.0]}, clean_times) is None
