@@ -97,11 +97,12 @@ BACKWARD_BLOCK_L = (16, 32, 64, 128)
 BACKWARD_STAGES = (1, 2, 3)
 # do_bench empties L2 before each call by writing a 256 MB buffer, whose dirty lines the
 # timed call then writes back while it reads its docs; the configs of a memory-bound
-# rerank can tie under that and not after a kernel that only read (H100, lateon-edge's
-# docs-once tile: 128 tokens on 2 warps 44.2 us, 64 on 1 warp 44.3; with L2 left clean
-# 43.0 and 40.2; benchmarks/results/forward_clean_l2_configs_H100.log). Candidates within
-# NEAR_TIE of do_bench's winner are timed again with L2 clean, and one that runs in at
-# most CLEAN_WIN of the winner's time there takes the key (a smaller gain is noise).
+# rerank can tie under that and differ after a kernel that only read (H100, lateon-edge's
+# docs-once tiles: 44.3 and 44.6 us under do_bench, 42.7 and 41.6 with L2 left clean;
+# benchmarks/results/lateon_once_ab_H100.md). Candidates within NEAR_TIE of do_bench's
+# winner are timed again with L2 clean, and one that runs in at most CLEAN_WIN of the
+# winner's time there takes the key: one timing each, and a single sweep's clean times
+# spread wider than an alternated A/B's (7% there against 2.5%).
 NEAR_TIE = 1.01
 CLEAN_WIN = 0.97
 L2_FLUSH_BYTES = 256 * 2**20
