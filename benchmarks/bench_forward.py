@@ -188,7 +188,9 @@ def time_implementation(scores: Callable, input_sets, args, clean_l2: bool) -> d
             "peak_mib": peak_extra_memory_mib(lambda: scores(q, docs))}  # fmt: skip
 
 
-def measure_implementation(key: str, input_sets, reference, indices, floor, args) -> dict:
+def measure_implementation(
+    key: str, input_sets, reference, indices, floor, args, clean_l2: bool
+) -> dict:
     if args.dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
         return empty_result("skipped in dry run")
     scores, error = attempt(IMPLEMENTATIONS[key][1])
@@ -201,7 +203,6 @@ def measure_implementation(key: str, input_sets, reference, indices, floor, args
         result["error"] = error
         return result
     result.update(parity)
-    clean_l2 = floor["bound"] == "memory" and key in CLEAN_L2_IMPLEMENTATIONS
     timing, error = attempt(lambda: time_implementation(scores, input_sets, args, clean_l2))
     if error:
         result["error"] = error
@@ -211,11 +212,11 @@ def measure_implementation(key: str, input_sets, reference, indices, floor, args
     return result
 
 
-def time_doc_read(input_sets, args) -> tuple[float | None, float | None, str | None]:
-    """(ms, ms with L2 left clean, how) of the fastest read of the docs alone
+def time_doc_read(input_sets, args, clean_l2: bool):
+    """(ms, ms with L2 left clean or None, how) of the fastest read of the docs alone
     (benchmarks/read_ceiling.py: a sweep of read kernels and PyTorch's sum, the winner
     re-timed like the implementations): what a memory-bound MaxSim cannot beat at this
-    size."""
+    size. clean_l2: also time it with L2 left clean (the memory-bound shapes)."""
     if args.dry_run:
         return None, None, None
     from read_ceiling import fastest_read
@@ -231,7 +232,7 @@ def time_doc_read(input_sets, args) -> tuple[float | None, float | None, str | N
         return None, None, error
     name, call = found
     ms, _ = attempt(lambda: bench_ms(call, **timing))
-    clean_ms, _ = attempt(lambda: clean_l2_ms(call))
+    clean_ms = attempt(lambda: clean_l2_ms(call))[0] if clean_l2 else None
     return ms, clean_ms, name
 
 
@@ -244,7 +245,8 @@ def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
         q.index_select(0, indices[0]), docs.index_select(0, indices[1])
     )
     floor = roofline_floor(shape, ceilings)
-    read_ms, read_clean_ms, read_by = time_doc_read(input_sets, args)
+    memory_bound = floor["bound"] == "memory"
+    read_ms, read_clean_ms, read_by = time_doc_read(input_sets, args, memory_bound)
     record = {
         **shape.as_dict(),
         "input_mb": shape.input_bytes() / 1e6,
@@ -260,7 +262,9 @@ def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
     }
     for key in keys:
         print(f"  {IMPLEMENTATIONS[key][0]} ...", flush=True)
-        result = measure_implementation(key, input_sets, reference, indices, floor, args)
+        clean_l2 = memory_bound and key in CLEAN_L2_IMPLEMENTATIONS
+        result = measure_implementation(key, input_sets, reference, indices, floor, args,
+                                        clean_l2)  # fmt: skip
         record["results"][key] = result
         print(f"    {describe_result(result)}", flush=True)
     del input_sets, q, docs, reference

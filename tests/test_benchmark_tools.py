@@ -92,7 +92,8 @@ def test_forward_report_has_the_clean_l2_table_for_memory_bound_shapes():
         "results": {"lik": result(0.100, 0.091), "late_interaction_kernels": result(0.102, 0.095),
                     "flash_maxsim": result(0.105, 0.093)},
     }  # fmt: skip
-    # A run reads every shape's docs both ways; only the bound decides the rows.
+    # The bound alone decides the rows: a compute-bound record stays out even with clean
+    # times in it.
     compute = {**memory, "name": "longdoc", "bound": "compute"}
     report = {"implementations": list(bench_forward.IMPLEMENTATIONS), "shapes": [memory, compute]}
     table = bench_forward.clean_l2_table(report)
