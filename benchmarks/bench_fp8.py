@@ -15,6 +15,7 @@ prints the tuning-table line of the fastest config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 import tempfile
@@ -55,9 +56,10 @@ TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, 
 # bf16 inputs within 1e-2 of theirs.
 TOLERANCE = {"fp8": 5e-2, "bf16": 1e-2}
 PARITY_DOCS_EACH_END = 32  # first and last docs: offset overflows show at high indices
-# Launch configs the sweep tries for lik's fp8 kernel (block_l, num_stages, num_warps,
-# query-tile rows: 32 is one query's tokens, 64 what Hopper's fp8 wgmma takes).
-SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8), (32, 64)))
+# Launch configs the sweep tries for lik's fp8 kernel (block_l, num_stages, num_warps): the
+# fields a table entry sets. The query tile's rows are the runtime's (fp8.fp8_tiles: 64 on
+# Hopper, whose fp8 wgmma takes no fewer), since no entry can choose them.
+SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8)))
 
 # key: (label, storage, scale granularity)
 IMPLEMENTATIONS = {
@@ -202,72 +204,47 @@ def measure(key, shape, input_sets, refs, docs, ceilings, args) -> dict:
 
 
 def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
-    """Times lik's fp8 kernel (per-tensor scales) under each SWEEP config, launched
-    directly, next to the config the runtime picks by default."""
-    from lik.runtime import dispatch, fp8, registry
+    """Times lik's fp8 kernel (per-tensor scales) under the runtime's default config and
+    each SWEEP config, launched directly, through make tune's selection (tune.sweep: every
+    output checked against the default's, the clean-L2 tie-break)."""
+    from lik.runtime import dispatch, fp8, registry, tune
     from lik.runtime.keys import KernelKey, gpu_family, lq_bucket, padded_head_dim, size_class
-    from lik.runtime.tuning import LaunchConfig
 
     q8, d8, scale_q, scale_d = inputs["tensor"]
     name = "maxsim_dense_nomask_fp8_triton"
     module = registry.load(name)
     sq, sd = fp8._per_token(scale_q, q8.shape[:-1]), fp8._per_token(scale_d, d8.shape[:-1])
     out = torch.empty(shape.nq, shape.nd, dtype=torch.float32, device=q8.device)
-    default = dispatch._config(name, module, q8, shape.lq, out.numel())
-    key = KernelKey(
-        name,
-        gpu_family(q8.device),
-        padded_head_dim(shape.d),
-        lq_bucket(shape.lq),
-        size_class(out.numel()),
-        1,
-    )
-    timing = TIMING["quick"]
-    rows = []
-    default = fp8.fp8_tiles(default, q8.device)  # as the runtime launches it
-    configs = [(default.block_l, default.num_stages, default.num_warps, default.block_q, True)]
-    configs += [(bl, st, nw, block_q, False) for bl, st, nw, block_q in SWEEP]
-    for block_l, stages, warps, block_q, is_default in configs:
-        config = LaunchConfig(
-            block_q=block_q,
-            block_l=block_l,
-            block_k=default.block_k,
-            num_warps=warps,
-            num_stages=stages,
-            query_group=1,
+    key = KernelKey(name, gpu_family(q8.device), padded_head_dim(shape.d), lq_bucket(shape.lq),
+                    size_class(out.numel()), 1)  # fmt: skip
+    # Each config with the fp8 tile minimums, as the runtime launches a table entry's.
+    default = fp8.fp8_tiles(dispatch._config(name, module, q8, shape.lq, out.numel()), q8.device)
+    grid = [
+        fp8.fp8_tiles(
+            dataclasses.replace(default, block_l=block_l, num_stages=stages, num_warps=warps),
+            q8.device,
         )
-        ms, error = attempt(
-            lambda config=config: bench_ms(
-                lambda: module.launch(out, q8, d8, sq, sd, config=config), **timing
-            )
-        )
-        rows.append(
-            {
-                "block_l": block_l,
-                "num_stages": stages,
-                "num_warps": warps,
-                "block_q": block_q,
-                "default": is_default,
-                "ms": ms,
-                "error": error,
-            }
-        )
-        print(
-            f"    block_l {block_l}, stages {stages}, warps {warps}, block_q {block_q}"
-            f"{' (default)' if is_default else ''}: {format_ms(ms)} ms"
-            f"{'' if error is None else ' ' + error}",
-            flush=True,
-        )
-    timed = [row for row in rows if row["ms"]]
-    best = min(timed, key=lambda row: row["ms"]) if timed else None
+        for block_l, stages, warps in SWEEP
+    ]
+
+    def run(config):
+        module.launch(out, q8, d8, sq, sd, config=config)
+        return (out,)
+
+    found = tune.sweep([run], [default, *grid], quick=args.quick)
+    rows = [
+        {"block_l": c.block_l, "num_stages": c.num_stages, "num_warps": c.num_warps,
+         "block_q": c.block_q, "default": c == default, "ms": ms[0],
+         "error": found.failures.get(c)}
+        for c, ms in found.times.items()
+    ]  # fmt: skip
+    best = found.winner
     line = None
-    if best:
-        line = (
-            f'"{key.table_key()}" = {{ block_l = {best["block_l"]}, num_warps = '
-            f'{best["num_warps"]}, num_stages = {best["num_stages"]}, query_group = 1, '
-            f'block_n = 8, ms = {best["ms"]:.4f}, shape = "{shape.name}" }}'
-        )
-    return {"table_key": key.table_key(), "rows": rows, "best": best, "toml_line": line}
+    if best is not None:
+        entry = tune.table_entry(best, [round(found.times[best][0], 4)], shape.name)
+        line = tune.table_line(key.table_key(), entry)
+    return {"table_key": key.table_key(), "rows": rows, "toml_line": line,
+            "best": None if best is None else rows[list(found.times).index(best)]}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------

@@ -228,8 +228,10 @@ def parse_sweep_grid(text: str | None) -> dict:
 
 
 def sweep_configs(shape: HeadShape, inputs, args) -> list[dict]:
-    """Times lik's forward (normalize, bias, no mask) over a grid of launch configs."""
-    from lik.runtime import head, registry
+    """Times lik's forward (normalize, bias, no mask) over a grid of launch configs
+    through make tune's selection (tune.sweep: outputs checked against the first
+    config's); rows fastest first."""
+    from lik.runtime import head, registry, tune
     from lik.runtime.keys import variant_name
 
     Q, H, W, b = (t.detach() for t in inputs)
@@ -238,28 +240,21 @@ def sweep_configs(shape: HeadShape, inputs, args) -> list[dict]:
     grid = parse_sweep_grid(args.sweep_grid)
     if "query_group" not in grid:
         grid["query_group"] = tuple(sorted({default.query_group, max(1, default.query_group // 2)}))
-    rows = []
-    for values in itertools.product(*grid.values()):
-        config = dataclasses.replace(default, **dict(zip(grid, values, strict=True)))
-        block_l, block_m, warps, stages, group = (
-            config.block_l, config.block_m, config.num_warps, config.num_stages,
-            config.query_group,
-        )  # fmt: skip
+    configs = [dataclasses.replace(default, **dict(zip(grid, values, strict=True)))
+               for values in itertools.product(*grid.values())]  # fmt: skip
+    out = torch.empty(Q.shape[0], H.shape[0], dtype=torch.float32, device=Q.device)
 
-        out = torch.empty(Q.shape[0], H.shape[0], dtype=torch.float32, device=Q.device)
+    def run(config):
+        # The module's launcher directly: a config that does not fit fails here instead of
+        # being shrunk into another one.
+        module.launch(out, Q, H, W, b=b, config=config)
+        return (out,)
 
-        def call(config=config, out=out):
-            # The module's launcher directly: a config that does not fit fails here
-            # instead of being shrunk into another one.
-            return module.launch(out, Q, H, W, b=b, config=config)
-
-        ms, error = attempt(lambda call=call: bench_ms(call, **TIMING["quick"]))
-        rows.append({**dataclasses.asdict(config), "ms": ms, "error": error})
-        print(
-            f"    {block_l=} {block_m=} {warps=} {stages=} {group=} tma={int(config.tma)}: "
-            f"{format_ms(ms) if ms else error}",
-            flush=True,
-        )
+    # The projection is rounded to bf16 before its dot with Q, and another d_model step
+    # sums it in another order: a looser agreement than make tune's.
+    found = tune.sweep([run], configs, quick=args.quick, tolerance=1e-2)
+    rows = [{**dataclasses.asdict(c), "ms": ms[0], "error": found.failures.get(c)}
+            for c, ms in found.times.items()]  # fmt: skip
     return sorted(rows, key=lambda r: r["ms"] if r["ms"] is not None else float("inf"))
 
 

@@ -164,7 +164,7 @@ def run_case(n_docs: int, nbits: int, args, timing, copy_tbps) -> dict:
 SWEEP = {"block_l": (16, 32, 64), "num_warps": (2, 4, 8), "num_stages": (1, 2)}
 
 
-def sweep_case(n_docs: int, nbits: int, args, timing) -> dict:
+def sweep_case(n_docs: int, nbits: int, args) -> dict:
     """Times lik's generated kernels under each launch config of SWEEP (outputs checked
     against the default config's) and reports the fastest per layout as a tuning-table
     line (runtime/tuning/<family>.toml)."""
@@ -190,9 +190,9 @@ def sweep_case(n_docs: int, nbits: int, args, timing) -> dict:
         default = dispatch._config(name, module, Q, LQ, n_docs)
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(args.dim), lq_bucket(LQ),
                         size_class(n_docs), 1)  # fmt: skip
-        found[layout] = _sweep_layout(module, launch, default, n_docs, args.dim, timing)
+        found[layout] = _sweep_layout(module, launch, default, n_docs, args.dim, args.quick,
+                                      shape=f"plaid-{n_docs}-nbits{nbits}")  # fmt: skip
         found[layout]["table_key"] = key.table_key()
-        found[layout]["shape"] = f"plaid-{n_docs}-nbits{nbits}"
         if found[layout]["best"]:
             print(f'  {layout:6s} default {found[layout]["default_ms"]:.3f} ms; best '
                   f'{found[layout]["best"][0]:.3f} ms: {key.table_key()}', flush=True)
@@ -202,42 +202,39 @@ def sweep_case(n_docs: int, nbits: int, args, timing) -> dict:
 def table_entries(sweeps: dict, card: str) -> dict[str, dict]:
     """Tuning-table entries (runtime/tuning/<family>.toml) of each swept case's fastest
     config per layout: {table key: entry}, as `make tune` writes them."""
-    entries = {}
-    for found in sweeps.values():
-        for result in found.values():
-            if not result.get("best"):
-                continue
-            ms, block_l, warps, stages = result["best"]
-            entries[result["table_key"]] = {
-                "block_l": block_l, "num_warps": warps, "num_stages": stages,
-                "query_group": 1, "block_n": 8, "ms": round(ms, 4),
-                "shape": result["shape"], "card": card,
-            }  # fmt: skip
-    return entries
+    results = [result for found in sweeps.values() for result in found.values()]
+    return {r["table_key"]: {**r["entry"], "card": card} for r in results if r.get("entry")}
 
 
-def _sweep_layout(module, launch, default, n_docs: int, dim: int, timing) -> dict:
+def _sweep_layout(module, launch, default, n_docs: int, dim: int, quick: bool, shape: str):
+    """The default config and each SWEEP config through make tune's selection (tune.sweep:
+    outputs checked against the default's, the clean-L2 tie-break)."""
     import itertools
 
+    from lik.runtime import tune
     from lik.runtime.keys import padded_head_dim
     from lik.runtime.tuning import LaunchConfig
 
     out = torch.empty(1, n_docs, device="cuda")
-    launch(module, out, default)
-    reference = out.clone()
-    timings = []
-    for block_l, warps, stages in itertools.product(*SWEEP.values()):
-        config = LaunchConfig(LQ, block_l, padded_head_dim(dim), warps, stages)
-        _, error = attempt(lambda c=config: launch(module, out, c))
-        if error or not torch.allclose(out, reference, rtol=2e-3, atol=2e-3):
-            continue
-        ms = bench_ms(lambda c=config: launch(module, out, c), **timing)
-        timings.append((ms, block_l, warps, stages))
-    timings.sort()
+
+    def run(config):
+        launch(module, out, config)
+        return (out,)
+
+    grid = [LaunchConfig(LQ, block_l, padded_head_dim(dim), warps, stages)
+            for block_l, warps, stages in itertools.product(*SWEEP.values())]  # fmt: skip
+    # Decoded residuals in another order of sums: looser than make tune's 1e-3.
+    found = tune.sweep([run], [default, *grid], quick=quick, tolerance=2e-3)
+    timings = sorted((ms[0], c.block_l, c.num_warps, c.num_stages)
+                     for c, ms in found.times.items() if ms[0] is not None)  # fmt: skip
+    best = found.winner
     return {
-        "default_ms": bench_ms(lambda: launch(module, out, default), **timing),
+        "default_ms": found.times[default][0],
         "default": [default.block_l, default.num_warps, default.num_stages],
-        "best": timings[0] if timings else None,
+        "best": None if best is None
+        else (found.times[best][0], best.block_l, best.num_warps, best.num_stages),
+        "entry": None if best is None
+        else tune.table_entry(best, [round(found.times[best][0], 4)], shape),
         "all": timings,
     }
 
@@ -323,7 +320,7 @@ def main(argv=None) -> int:
                 own = result["impl"].get(f"lik {layout}", {}).get("ms")
                 series[f"vs LIK 0.4.5 {layout}"].append(peer / own if peer and own else None)
             if args.sweep and not args.dry_run:
-                report.setdefault("sweep", {})[case] = sweep_case(n_docs, nbits, args, timing)
+                report.setdefault("sweep", {})[case] = sweep_case(n_docs, nbits, args)
     if args.write_table and report.get("sweep"):
         entries = table_entries(report["sweep"], report["gpu"])
         write_sweep_table(args.write_table, entries, card=args.card)

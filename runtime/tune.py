@@ -233,9 +233,11 @@ def _agreement(dtype: torch.dtype) -> float:
     return 1e-3
 
 
-def time_config(run, config, reference, quick: bool, graph: bool = False):
-    """(median ms, outputs) of run(config); (None, None) when it does not launch or its
-    outputs disagree with `reference` (the first config's). graph: time replays of a
+def time_config(run, config, reference, quick: bool, graph: bool = False,
+                tolerance: float | None = None):  # fmt: skip
+    """(median ms, outputs, None) of run(config), or (None, None, why) when it does not
+    launch or its outputs disagree with `reference` (the first config's) beyond tolerance
+    (default: _agreement of each output's dtype, 1e-3 absolute). graph: time replays of a
     CUDA graph of the run (GPU time alone), for runs of several launches whose host work
     would otherwise hide the differences between configs."""
     from triton.testing import do_bench, do_bench_cudagraph
@@ -244,27 +246,31 @@ def time_config(run, config, reference, quick: bool, graph: bool = False):
         outputs = [t.clone() for t in run(config)]
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - a config that does not fit is skipped
-        print(f"  skip {config}: {type(error).__name__}", flush=True)
-        return None, None
+        return None, None, f"does not launch: {type(error).__name__}"
     if reference is not None and not all(
-        torch.allclose(o.float(), r.float(), rtol=_agreement(r.dtype), atol=1e-3)
+        torch.allclose(o.float(), r.float(), rtol=tolerance or _agreement(r.dtype),
+                       atol=tolerance or 1e-3)  # fmt: skip
         for o, r in zip(outputs, reference, strict=True)
     ):
-        print(f"  MISMATCH {config}: results differ from the first config", flush=True)
-        return None, None
+        return None, None, "results differ from the first config's"
     if graph:
         ms = do_bench_cudagraph(lambda: run(config), rep=40 if quick else 100,
                                 return_mode="median")  # fmt: skip
     else:
         ms = do_bench(lambda: run(config), warmup=10 if quick else 25, rep=40 if quick else 100,
                       return_mode="median")  # fmt: skip
-    return ms, outputs
+    return ms, outputs, None
+
+
+@functools.cache
+def _flush_buffer(device: int) -> torch.Tensor:
+    return torch.ones(L2_FLUSH_BYTES // 4, device=torch.device("cuda", device))
 
 
 def clean_l2_ms(fn, *, reps: int = 300) -> float:
     """Median ms of fn on the GPU, each call timed with CUDA events after a read of a
     256 MB buffer: L2 evicted and left clean (see NEAR_TIE)."""
-    flush = torch.ones(L2_FLUSH_BYTES // 4, device="cuda")
+    flush = _flush_buffer(torch.cuda.current_device())
     for _ in range(3):  # compilation, first-touch allocations
         fn()
     events = []
@@ -316,41 +322,87 @@ def clean_l2_tie_break(times: dict, clean_times) -> tuple | None:
     return challenger if gain ** (1 / len(clean[best])) <= CLEAN_WIN else best
 
 
+@dataclasses.dataclass
+class Sweep:
+    """What a sweep of launch configs found. times: config -> [ms per run, None where it
+    did not launch or disagreed with the first config]; failures: config -> why; winner:
+    the config that takes the key (None if none ran every run)."""
+
+    times: dict
+    failures: dict
+    winner: object | None
+
+
+def sweep(runs, configs, *, quick: bool, graph: bool = False,
+          tolerance: float | None = None) -> Sweep:  # fmt: skip
+    """Times each launch config on each run (run(config) -> its outputs; one run per shape
+    sharing a key), checking every output against the first config's that ran, and picks
+    the winner: best_joint, and for single launches (not graph: CUDA-graph replays have no
+    L2 flush to tie under) the clean-L2 tie-break. The one selection make tune, the fp8,
+    fused-head and PLAID benchmarks' sweeps share."""
+    configs = list(dict.fromkeys(configs))  # a default that is also in a grid runs once
+    label = labeller(configs)
+    references = [None] * len(runs)
+    times, failures = {}, {}
+    for config in configs:
+        times[config] = []
+        for i, run in enumerate(runs):
+            ms, outputs, failure = time_config(run, config, references[i], quick, graph,
+                                               tolerance)  # fmt: skip
+            if references[i] is None:
+                references[i] = outputs
+            if failure:
+                failures.setdefault(config, failure)
+            times[config].append(ms)
+        shown = ", ".join("-" if ms is None else f"{ms:.4f}" for ms in times[config])
+        why = f" ({failures[config]})" if config in failures else ""
+        print(f"  {label(config)}: {shown} ms{why}", flush=True)
+    if graph:
+        return Sweep(times, failures, best_joint(times))
+    winner = clean_l2_tie_break(
+        times, lambda c: [clean_l2_ms(functools.partial(run, c)) for run in runs]
+    )
+    if winner != best_joint(times):
+        print(f"  near-tie faster with L2 left clean: {label(winner)}", flush=True)
+    return Sweep(times, failures, winner)
+
+
+def labeller(configs):
+    """label(config): the fields in which the configs differ, as name=value."""
+    rows = [dataclasses.asdict(c) for c in configs]
+    varying = [f for f in (rows[0] if rows else {}) if len({r[f] for r in rows}) > 1]
+
+    def label(config) -> str:
+        fields = dataclasses.asdict(config)
+        return " ".join(f"{f}={fields[f]}" for f in varying) or "the one config"
+
+    return label
+
+
+def table_entry(config, ms, shape: str) -> dict:
+    """A tuning-table entry for config, tuned at ms (one per shape sharing its key) on
+    the named shape(s)."""
+    entry = {"block_l": config.block_l, "num_warps": config.num_warps,
+             "num_stages": config.num_stages, "query_group": config.query_group,
+             "block_n": 8, "ms": ms[0] if len(ms) == 1 else ms, "shape": shape}  # fmt: skip
+    if getattr(config, "column_argmax", False):
+        entry["column_argmax"] = True
+    return entry
+
+
 def tune_key(key: KernelKey, runs, names: str, quick: bool) -> tuple[str, dict] | None:
     """Tunes one KernelKey over the runs (one per shape sharing it); returns (table key,
     entry)."""
-    references = [None] * len(runs)
-    times = {}
-    for config in candidates(key):
-        times[config] = []
-        for i, run in enumerate(runs):
-            # A backward is up to three launches: host-timed, colpali 32's candidates all
-            # read 0.11-0.16 ms on an H200, where their replays take 0.038-0.085.
-            ms, outputs = time_config(run, config, references[i], quick, graph=key.kernel == "bwd")
-            if ms is not None and references[i] is None:
-                references[i] = outputs
-            times[config].append(ms)
-        shown = ", ".join("-" if ms is None else f"{ms:.4f}" for ms in times[config])
-        print(f"  {describe(config)}: {shown} ms", flush=True)
-    if key.kernel == "bwd":  # replayed graphs: no flush between launches to tie under
-        config = best_joint(times)
-    else:
-        config = clean_l2_tie_break(
-            times, lambda c: [clean_l2_ms(functools.partial(run, c)) for run in runs]
-        )
-        if config != best_joint(times):
-            print(f"  near-tie faster with L2 left clean: {describe(config)}", flush=True)
+    # A backward is up to three launches: host-timed, colpali 32's candidates all read
+    # 0.11-0.16 ms on an H200, where their replays take 0.038-0.085.
+    found = sweep(runs, candidates(key), quick=quick, graph=key.kernel == "bwd")
+    config = found.winner
     if config is None:
         print(f"[{names}] {key.table_key()}: no config ran; left to the default", flush=True)
         return None
-    ms = [round(t, 4) for t in times[config]]
+    ms = [round(t, 4) for t in found.times[config]]
     print(f"[{names}] {key.table_key()}: {ms} ms with {describe(config)}", flush=True)
-    entry = {"block_l": config.block_l, "num_warps": config.num_warps,
-             "num_stages": config.num_stages, "query_group": config.query_group,
-             "block_n": 8, "ms": ms[0] if len(ms) == 1 else ms, "shape": names}  # fmt: skip
-    if config.column_argmax:
-        entry["column_argmax"] = True
-    return key.table_key(), entry
+    return key.table_key(), table_entry(config, ms, names)
 
 
 def describe(config: LaunchConfig) -> str:
@@ -396,6 +448,12 @@ def _toml_value(value) -> str:
     return str(value)
 
 
+def table_line(key: str, entry: dict) -> str:
+    """One table entry as its TOML line."""
+    fields = ", ".join(f"{k} = {_toml_value(v)}" for k, v in entry.items())
+    return f'"{key}" = {{ {fields} }}'
+
+
 def write_table(path: Path, family: str, entries: dict[str, dict], card: str = "") -> None:
     """Writes a family's table, or with card, that card's own (keys absent from it fall
     back to the family's)."""
@@ -415,9 +473,7 @@ def write_table(path: Path, family: str, entries: dict[str, dict], card: str = "
         "# (one per shape, in order, where shapes share a key) on the entry's card.",
         "[configs]",
     ]
-    for key in sorted(entries):
-        fields = ", ".join(f"{k} = {_toml_value(v)}" for k, v in entries[key].items())
-        lines.append(f'"{key}" = {{ {fields} }}')
+    lines += [table_line(key, entries[key]) for key in sorted(entries)]
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -37,14 +37,15 @@ def test_plaid_sweep_winners_become_table_entries(tmp_path):
     import tomllib
 
     bench_plaid = pytest.importorskip("bench_plaid")
-    from lik.runtime.tune import write_table
+    from lik.runtime.tune import table_entry, write_table
+    from lik.runtime.tuning import LaunchConfig
 
+    winner = LaunchConfig(32, 64, 128, num_warps=4, num_stages=1)
     sweeps = {
         "1000 docs, nbits 2": {
-            "dense": {"best": (0.05251, 64, 4, 1), "table_key": "a_res2|128|32|s|q1",
-                      "shape": "plaid-1000-nbits2"},
-            "varlen": {"best": None, "table_key": "b_res2|128|32|s|q1",
-                       "shape": "plaid-1000-nbits2"},
+            "dense": {"entry": table_entry(winner, [0.0525], "plaid-1000-nbits2"),
+                      "table_key": "a_res2|128|32|s|q1"},
+            "varlen": {"entry": None, "table_key": "b_res2|128|32|s|q1"},
         },
     }  # fmt: skip
     entries = bench_plaid.table_entries(sweeps, "NVIDIA H100 80GB HBM3")

@@ -447,3 +447,43 @@ def test_a_near_tie_clearly_faster_with_l2_clean_takes_the_key():
     assert tune.clean_l2_tie_break(alone, clean_times) == "best"
     assert asked == []
     assert tune.clean_l2_tie_break({"failed": [None, 1.0]}, clean_times) is None
+
+
+def test_a_sweep_checks_each_config_against_the_first_and_records_why_one_is_out(monkeypatch):
+    # tune.sweep is the selection make tune and the fp8, head and PLAID sweeps share. Its
+    # timer is faked (do_bench needs a GPU); the checks and the choice are the real ones.
+    import triton.testing
+
+    def config(block_l):
+        return LaunchConfig(32, block_l, 128, num_warps=4, num_stages=2)
+
+    first, broken, wrong, faster, near = (config(b) for b in (16, 32, 64, 128, 256))
+    base = torch.arange(6.0)
+    outputs = {first: base, wrong: base + 1, faster: base * (1 + 1e-5), near: base}
+    do_bench_ms = {first: 1.0, faster: 0.90, near: 0.905}
+    launched = []
+
+    def run(c):
+        launched.append(c)
+        if c == broken:
+            raise RuntimeError("out of resources")
+        return (outputs[c],)
+
+    def timer(ms):  # runs the call, then reads the time of the config it launched
+        return lambda fn, **_: (fn(), ms[launched[-1]])[1]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", timer(do_bench_ms))
+    monkeypatch.setattr(tune, "clean_l2_ms", timer({faster: 0.80, near: 0.70}))
+
+    found = tune.sweep([run], [first, broken, first, wrong, faster], quick=True)
+    assert list(found.times) == [first, broken, wrong, faster]  # the repeated default ran once
+    assert found.times[broken] == [None] and found.times[wrong] == [None]
+    assert found.failures == {broken: "does not launch: RuntimeError",
+                              wrong: "results differ from the first config's"}  # fmt: skip
+    assert found.winner == faster
+    # A near-tie (within NEAR_TIE) 12% faster with L2 clean takes the key.
+    assert tune.sweep([run], [first, faster, near], quick=True).winner == near
+    # Nothing ran: no winner.
+    assert tune.sweep([run], [broken], quick=True).winner is None
+    assert tune.labeller([first, faster])(faster) == "block_l=128"
