@@ -40,6 +40,7 @@ from common import (
     roofline_floor,
     rotating,
     rotation_count,
+    speedup_series,
     write_results,
 )
 
@@ -474,11 +475,7 @@ def markdown_report(report: dict) -> str:
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
     names = [record["name"] for record in report["shapes"]]
-    series = {
-        f"vs {IMPLEMENTATIONS[p][0]}": [speedup(r, p) for r in report["shapes"]]
-        for p in PEERS
-        if p in report["implementations"]
-    }
+    series = speedup_series(report, PEERS, lambda p: IMPLEMENTATIONS[p][0], speedup)
     title = f"lik forward speedup, {report['env']['gpu']}"
     write_results(out_dir, stem, report, markdown_report(report), (names, series, title))
 

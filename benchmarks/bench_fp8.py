@@ -42,6 +42,7 @@ from common import (
     release_cached_memory,
     rotating,
     rotation_count,
+    speedup_series,
     write_results,
 )
 
@@ -356,11 +357,7 @@ def markdown_report(report: dict) -> str:
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
     names = [record["name"] for record in report["shapes"]]
-    series = {
-        f"vs {IMPLEMENTATIONS[b][0]}": [ratio(r, b) for r in report["shapes"]]
-        for b in BASELINES
-        if b in report["implementations"]
-    }
+    series = speedup_series(report, BASELINES, lambda b: IMPLEMENTATIONS[b][0], ratio)
     title = f"{IMPLEMENTATIONS[HEADLINE][0]} speedup, {report['env']['gpu']}"
     write_results(out_dir, stem, report, markdown_report(report), (names, series, title))
 

@@ -39,6 +39,7 @@ from common import (
     pick,
     relative_error,
     release_cached_memory,
+    speedup_series,
     write_results,
 )
 
@@ -392,11 +393,7 @@ def markdown_report(report: dict) -> str:
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:
     names = [r["name"] for r in report["shapes"]]
-    series = {
-        f"vs {IMPLEMENTATIONS[k][0]}": [speedup(r, k) for r in report["shapes"]]
-        for k in BASELINES
-        if k in report["implementations"]
-    }
+    series = speedup_series(report, BASELINES, lambda k: IMPLEMENTATIONS[k][0], speedup)
     title = f"lik fused head speedup, {report['env']['gpu']}"
     write_results(out_dir, stem, report, markdown_report(report), (names, series, title))
 

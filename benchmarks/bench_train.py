@@ -33,8 +33,7 @@ from common import (  # noqa: E402
     peak_extra_memory_mib,
     relative_error,
     release_cached_memory,
-    write_json,
-    write_speedup_plot,
+    write_results,
 )
 
 # (name, Nq, docs per query or Nd, Lq, Ld, d, layout)
@@ -264,23 +263,15 @@ def main(argv=None) -> int:
 
 
 def write_report(report: dict, out: Path) -> None:
-    stem = f"train_{gpu_tag(report['gpu'])}"
-    write_json(out / f"{stem}.json", report)
+    def speedup(record, peer):
+        lik, other = (record["results"][name].get("ms") for name in ("lik-auto", peer))
+        return other / lik if lik and other else None
+
     text = markdown(report)
-    (out / f"{stem}.md").write_text(text)
-    series = {}
-    for peer in PEERS + ["eager"]:
-        series[f"vs {peer}"] = []
-        for record in report["shapes"]:
-            lik = record["results"]["lik-auto"].get("ms")
-            other = record["results"][peer].get("ms")
-            series[f"vs {peer}"].append(other / lik if lik and other else None)
-    write_speedup_plot(
-        out / f"{stem}.png",
-        [r["name"] for r in report["shapes"]],
-        series,
-        f"lik training speedup (auto backward), {report['gpu']}",
-    )
+    names = [r["name"] for r in report["shapes"]]
+    series = {f"vs {p}": [speedup(r, p) for r in report["shapes"]] for p in [*PEERS, "eager"]}
+    title = f"lik training speedup (auto backward), {report['gpu']}"
+    write_results(out, f"train_{gpu_tag(report['gpu'])}", report, text, (names, series, title))
     print(text)
 
 

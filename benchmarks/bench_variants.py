@@ -29,8 +29,7 @@ from common import (  # noqa: E402
     peak_extra_memory_mib,
     relative_error,
     release_cached_memory,
-    write_json,
-    write_speedup_plot,
+    write_results,
 )
 
 # (name, Nq, Nd, Lq, Ld, d): a ColBERT in-batch step and a ColPali-sized one.
@@ -187,10 +186,7 @@ def markdown(report: dict) -> str:
 
 
 def write_report(report: dict, out: Path) -> None:
-    stem = f"variants_{gpu_tag(report['gpu'])}"
-    write_json(out / f"{stem}.json", report)
     text = markdown(report)
-    (out / f"{stem}.md").write_text(text)
     labels = [f"{r['shape']} {r['score']}" for r in report["shapes"]]
     series = {
         f"{kind} vs eager": [
@@ -200,7 +196,7 @@ def write_report(report: dict, out: Path) -> None:
         for kind in ("fwd", "train")
     }
     title = f"lik token-score variants vs materialized PyTorch, {report['gpu']}"
-    write_speedup_plot(out / f"{stem}.png", labels, series, title)
+    write_results(out, f"variants_{gpu_tag(report['gpu'])}", report, text, (labels, series, title))
     print(text)
 
 

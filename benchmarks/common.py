@@ -415,6 +415,16 @@ def pick(names: str | None, available: list[str], what: str) -> list[str]:
     return chosen
 
 
+def speedup_series(report: dict, baselines, label, ratio) -> dict[str, list]:
+    """A speedup plot's series: "vs <label(baseline)>" -> ratio(record, baseline) for each
+    shape, for each baseline the run measured (report["implementations"])."""
+    return {
+        f"vs {label(b)}": [ratio(record, b) for record in report["shapes"]]
+        for b in baselines
+        if b in report["implementations"]
+    }
+
+
 def write_results(out_dir: Path, stem: str, report: dict, markdown: str, plot=None) -> None:
     """<stem>.json, <stem>.md and, given plot = (categories, series, title), <stem>.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
