@@ -3,7 +3,24 @@ variable must be set before triton is first imported, hence here."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=["reference", "interpreter"])
+def lik_path(request, monkeypatch):
+    """Which lik path a CPU call takes: the reference, or the kernels under the interpreter."""
+    if request.param == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU (above)")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from lik.runtime import dispatch
+
+    if dispatch.backend(torch.device("cpu")) != request.param:
+        pytest.skip(f"no {request.param} path here")
+    return request.param

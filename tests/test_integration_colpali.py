@@ -25,7 +25,7 @@ processing_utils = pytest.importorskip("colpali_engine.utils.processing_utils")
 
 from lik import runtime  # noqa: E402
 from lik.integrations import colpali as lik_colpali  # noqa: E402
-from lik.runtime import dispatch, variants  # noqa: E402
+from lik.runtime import variants  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -44,20 +44,6 @@ B, K, LQ, LD, DIM = 3, 2, 6, 9, 24
 def integration_off_afterwards():
     yield
     lik_colpali.disable()
-
-
-@pytest.fixture(params=["reference", "interpreter"])
-def lik_path(request, monkeypatch):
-    """Which lik path a CPU call takes: the reference, or the kernels under the interpreter."""
-    if request.param == "reference":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif torch.cuda.is_available():
-        pytest.skip("the interpreter runs where there is no GPU (conftest)")
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dispatch.backend(torch.device("cpu")) != request.param:
-        pytest.skip(f"no {request.param} path here")
-    return request.param
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ colbert = pytest.importorskip("pylate.scores.colbert")
 
 from lik import runtime  # noqa: E402
 from lik.integrations import pylate as lik_pylate  # noqa: E402
-from lik.runtime import dispatch  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -33,20 +32,6 @@ ORIGINAL_CALL = colbert.ColBERTScores.__call__
 def integration_off_afterwards():
     yield
     lik_pylate.disable()
-
-
-@pytest.fixture(params=["reference", "interpreter"])
-def lik_path(request, monkeypatch):
-    """Which lik path a CPU call takes: the reference, or the kernels under the interpreter."""
-    if request.param == "reference":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif torch.cuda.is_available():
-        pytest.skip("the interpreter runs where there is no GPU (conftest)")
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dispatch.backend(torch.device("cpu")) != request.param:
-        pytest.skip(f"no {request.param} path here")
-    return request.param
 
 
 @pytest.fixture
