@@ -194,7 +194,7 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
                                       shape=f"plaid-{n_docs}-nbits{nbits}")  # fmt: skip
         found[layout]["table_key"] = key.table_key()
         if found[layout]["best"]:
-            print(f'  {layout:6s} default {found[layout]["default_ms"]:.3f} ms; best '
+            print(f'  {layout:6s} default {format_ms(found[layout]["default_ms"])} ms; best '
                   f'{found[layout]["best"][0]:.3f} ms: {key.table_key()}', flush=True)
     return found
 
