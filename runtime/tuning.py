@@ -1,8 +1,9 @@
 """KernelKey -> LaunchConfig, from the committed tuning tables of the GPU family and card.
 
 Tables live in runtime/tuning/<family>.toml, and a card's own entries (where it differs
-from the card the family's were tuned on) in runtime/tuning/<family>/<card>.toml; `make
-tune` writes both on a GPU. A key with neither gets the family's heuristic default: no
+from the card the family's were tuned on) in runtime/tuning/<family>/<card>.toml, which
+cards whose names extend that card's read too (card_table); `make tune` writes both on a
+GPU. A key with neither gets the family's heuristic default: no
 sweep ever runs at call time.
 """
 
@@ -77,10 +78,27 @@ def load_tables() -> None:
                     _read_table(f"{resource.name}/{card.name}")
 
 
+@functools.cache
+def card_table(family: str, card: str) -> str | None:
+    """The committed card table (table_file) a card reads: its own, else that of the card
+    whose name its own extends, the longest such ("NVIDIA H200 NVL" reads "NVIDIA H200"'s:
+    the same chip and memory, another board); None where there is none."""
+    folder = TABLES.joinpath(family)
+    if not card or not folder.is_dir():
+        return None
+    tables = {f"{family}/{r.name}" for r in folder.iterdir() if r.name.endswith(".toml")}
+    own = table_file(family, card)
+    if own in tables:
+        return own
+    stem = own.removesuffix(".toml")
+    extended = [name for name in tables if stem.startswith(name.removesuffix(".toml") + "_")]
+    return max(extended, key=len, default=None)
+
+
 def committed_table(key: KernelKey) -> str | None:
-    """The table (table_file) whose entry a key takes: its card's own where that has one,
-    else its family's; None where neither has (tuning.default_config then)."""
-    names = [table_file(key.family, key.card)] if key.card else []
+    """The table (table_file) whose entry a key takes: its card's own (card_table) where
+    that has one, else its family's; None where neither has (tuning.default_config then)."""
+    names = [card_table(key.family, key.card)] if card_table(key.family, key.card) else []
     for name in [*names, table_file(key.family)]:
         if key.table_key() in _read_table(name):
             return name

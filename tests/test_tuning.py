@@ -141,6 +141,20 @@ def test_a_card_s_own_entries_come_before_its_family_s():
     assert committed_table(unknown) is None
 
 
+
+def test_a_card_whose_name_extends_a_card_table_s_reads_it():
+    from lik.runtime.tuning import card_table
+
+    # Another board of the same chip and memory (the H200 NVL) reads the H200's entries;
+    # names that merely start with the same characters, and other cards, do not.
+    assert card_table("hopper", "NVIDIA H200") == "hopper/NVIDIA_H200.toml"
+    assert card_table("hopper", "NVIDIA H200 NVL") == "hopper/NVIDIA_H200.toml"
+    assert card_table("hopper", "NVIDIA H2000") is None
+    assert card_table("hopper", "NVIDIA H100 80GB HBM3") is None
+    assert card_table("hopper", "") is None
+    assert card_table("ampere", "NVIDIA H200 NVL") is None  # no table folder
+
+
 def test_a_call_keys_its_config_by_the_gpu_it_runs_on(monkeypatch):
     from lik.runtime import maxsim, tuning
 
