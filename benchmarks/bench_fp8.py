@@ -239,13 +239,11 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
          "error": found.failures.get(c)}
         for c, ms in found.times.items()
     ]  # fmt: skip
-    best = found.winner
     line = None
-    if best is not None:
-        entry = tune.table_entry(best, [round(found.times[best][0], 4)], shape.name)
-        line = tune.table_line(key.table_key(), entry)
-    return {"table_key": key.table_key(), "rows": rows, "toml_line": line,
-            "best": None if best is None else rows[list(found.times).index(best)]}  # fmt: skip
+    if found.winner is not None:
+        ms = [round(found.times[found.winner][0], 4)]
+        line = tune.table_line(key.table_key(), tune.table_entry(found.winner, ms, shape.name))
+    return {"table_key": key.table_key(), "rows": rows, "toml_line": line}
 
 
 # ---------------------------------------------------------------------------------------

@@ -98,8 +98,8 @@ def card_table(family: str, card: str) -> str | None:
 def committed_table(key: KernelKey) -> str | None:
     """The table (table_file) whose entry a key takes: its card's own (card_table) where
     that has one, else its family's; None where neither has (tuning.default_config then)."""
-    names = [card_table(key.family, key.card)] if card_table(key.family, key.card) else []
-    for name in [*names, table_file(key.family)]:
+    card = card_table(key.family, key.card)
+    for name in [card, table_file(key.family)] if card else [table_file(key.family)]:
         if key.table_key() in _read_table(name):
             return name
     return None
