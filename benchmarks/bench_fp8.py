@@ -61,6 +61,7 @@ PARITY_DOCS_EACH_END = 32  # first and last docs: offset overflows show at high 
 # fields a table entry sets. The query tile's rows are the runtime's (fp8.fp8_tiles: 64 on
 # Hopper, whose fp8 wgmma takes no fewer), since no entry can choose them.
 SWEEP = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8)))
+SWEEP_SCALES = ("tensor", "token")  # the scale granularities each config runs with
 
 # key: (label, storage, scale granularity)
 IMPLEMENTATIONS = {
@@ -205,16 +206,16 @@ def measure(key, shape, input_sets, refs, docs, ceilings, args) -> dict:
 
 
 def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
-    """Times lik's fp8 kernel (per-tensor scales) under the runtime's default config and
-    each SWEEP config, launched directly, through make tune's selection (tune.sweep: every
-    output checked against the default's, the clean-L2 tie-break)."""
+    """Times lik's fp8 kernel under the runtime's default config and each SWEEP config,
+    launched directly, with per-tensor and with per-token scales (one table entry serves
+    both), through make tune's selection (tune.sweep: every output checked against the
+    default's, the winner by the joint slowdown over the two, the clean-L2 tie-break)."""
     from lik.runtime import dispatch, fp8, registry, tune
     from lik.runtime.keys import KernelKey, gpu_family, lq_bucket, padded_head_dim, size_class
 
-    q8, d8, scale_q, scale_d = inputs["tensor"]
     name = "maxsim_dense_nomask_fp8_triton"
     module = registry.load(name)
-    sq, sd = fp8._per_token(scale_q, q8.shape[:-1]), fp8._per_token(scale_d, d8.shape[:-1])
+    q8 = inputs["tensor"][0]
     out = torch.empty(shape.nq, shape.nd, dtype=torch.float32, device=q8.device)
     key = KernelKey(name, gpu_family(q8.device), padded_head_dim(shape.d), lq_bucket(shape.lq),
                     size_class(out.numel()), 1)  # fmt: skip
@@ -228,21 +229,29 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
         for block_l, stages, warps in SWEEP
     ]
 
-    def run(config):
-        module.launch(out, q8, d8, sq, sd, config=config)
-        return (out,)
+    def runner(granularity):
+        q8, d8, scale_q, scale_d = inputs[granularity]
+        sq, sd = fp8._per_token(scale_q, q8.shape[:-1]), fp8._per_token(scale_d, d8.shape[:-1])
 
-    found = tune.sweep([run], [default, *grid], quick=args.quick)
+        def run(config):
+            module.launch(out, q8, d8, sq, sd, config=config)
+            return (out,)
+
+        return run
+
+    found = tune.sweep([runner(g) for g in SWEEP_SCALES], [default, *grid], quick=args.quick)
     rows = [
         {"block_l": c.block_l, "num_stages": c.num_stages, "num_warps": c.num_warps,
-         "block_q": c.block_q, "default": c == default, "ms": ms[0],
+         "block_q": c.block_q, "default": c == default,
+         **{f"ms_{g}": t for g, t in zip(SWEEP_SCALES, ms, strict=True)},
          "error": found.failures.get(c)}
         for c, ms in found.times.items()
     ]  # fmt: skip
     line = None
     if found.winner is not None:
-        ms = [round(found.times[found.winner][0], 4)]
-        line = tune.table_line(key.table_key(), tune.table_entry(found.winner, ms, shape.name))
+        ms = [round(t, 4) for t in found.times[found.winner]]
+        entry = tune.table_entry(found.winner, ms, f"{shape.name} (per-tensor, per-token scales)")
+        line = tune.table_line(key.table_key(), entry)
     return {"table_key": key.table_key(), "rows": rows, "toml_line": line}
 
 
@@ -321,7 +330,7 @@ def markdown_report(report: dict) -> str:
         sweep = record.get("sweep")
         if not sweep:
             continue
-        parts += [f"## lik fp8 launch configs, {record['name']} (per-tensor scales)", ""]
+        parts += [f"## lik fp8 launch configs, {record['name']}", ""]
         if sweep.get("error"):
             parts += [f"The sweep failed: {sweep['error']}", ""]
             continue
@@ -332,12 +341,13 @@ def markdown_report(report: dict) -> str:
                 r["num_warps"],
                 r.get("block_q", ""),
                 "yes" if r["default"] else "",
-                format_ms(r["ms"]),
+                *(format_ms(r.get(f"ms_{g}")) for g in SWEEP_SCALES),
                 r["error"] or "",
             ]
             for r in sweep["rows"]
         ]
-        headers = ["block_l", "stages", "warps", "block_q", "default", "ms", "error"]
+        headers = ["block_l", "stages", "warps", "block_q", "default",
+                   *(f"ms, per-{g} scales" for g in SWEEP_SCALES), "error"]  # fmt: skip
         parts += [markdown_table(headers, rows)]
         if sweep["toml_line"]:
             parts += ["", "Fastest, as a tuning-table line:", "", f"    {sweep['toml_line']}"]

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 234bdfd4c67c6678576ca0af00a840690e5004f52b3694b16c38ba4b55142a85
+# body-sha256: 59a0678e1121482c1369a2f1d2f6332e5d4e187909b5e8b80737fa56412c5069
 
 """MaxSim forward for maxsim_dense_nomask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -113,13 +113,22 @@ def maxsim_dense_nomask_fp8_triton_fwd_kernel(
     d_scale_base = doc * stride_sdb
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    if D_SCALE_PER_TOKEN:
+        first_t = tl.arange(0, BLOCK_L)
+        next_scale = tl.load(
+            scale_D + d_scale_base + first_t * stride_sdt, mask=first_t < d_len, other=0.0
+        )
+
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         if D_SCALE_PER_TOKEN:
-            d_token_scale = tl.load(
-                scale_D + d_scale_base + offs_t * stride_sdt, mask=offs_t < d_len, other=0.0
+            # This tile's scales came one tile ahead (scale_prefetch); the next tile's load now.
+            d_token_scale = next_scale
+            next_t = offs_t + BLOCK_L
+            next_scale = tl.load(
+                scale_D + d_scale_base + next_t * stride_sdt, mask=next_t < d_len, other=0.0
             )
             sim = sim * d_token_scale[None, :]
         t_valid = offs_t < d_len
