@@ -95,20 +95,46 @@ def card_table(family: str, card: str) -> str | None:
     return max(extended, key=len, default=None)
 
 
-def committed_table(key: KernelKey) -> str | None:
-    """The table (table_file) whose entry a key takes: its card's own (card_table) where
-    that has one, else its family's; None where neither has (tuning.default_config then)."""
+MASKS = ("qmask", "dmask", "qdmask")  # the mask token of a variant's name (keys.variant_name)
+
+
+def unmasked_key(key: KernelKey) -> KernelKey | None:
+    """The same key for the variant without masks, for a masked variant's key (else None).
+    Masks add a load and a select per tile, not another tiling: where a masked variant
+    has no entry of its own, its unmasked twin's tuned entry is a closer fit than the
+    default (H100, in-batch 256 x 256 with a doc mask: 0.63 ms on the default config
+    against 0.32 unmasked; benchmarks/results/masked_configs_H100.md)."""
+    op, layout, mask, *rest = key.variant.split("_")
+    if mask not in MASKS:
+        return None
+    return dataclasses.replace(key, variant="_".join([op, layout, "nomask", *rest]))
+
+
+def committed_source(key: KernelKey) -> tuple[str, str] | None:
+    """(table, table key) of the entry a key takes: its own, in its card's table
+    (card_table) and then its family's; else its unmasked twin's (unmasked_key), the same
+    way; None where there is none (tuning.default_config then)."""
     card = card_table(key.family, key.card)
-    for name in [card, table_file(key.family)] if card else [table_file(key.family)]:
-        if key.table_key() in _read_table(name):
-            return name
+    tables = [card, table_file(key.family)] if card else [table_file(key.family)]
+    for candidate in (key, unmasked_key(key)):
+        if candidate is None:
+            continue
+        for name in tables:
+            if candidate.table_key() in _read_table(name):
+                return name, candidate.table_key()
     return None
 
 
+def committed_table(key: KernelKey) -> str | None:
+    """The table whose entry a key takes (committed_source), None where none has one."""
+    source = committed_source(key)
+    return None if source is None else source[0]
+
+
 def committed_entry(key: KernelKey) -> dict | None:
-    """A key's entry in its committed_table, None where it has none."""
-    name = committed_table(key)
-    return None if name is None else _read_table(name)[key.table_key()]
+    """The entry a key takes (committed_source), None where it has none."""
+    source = committed_source(key)
+    return None if source is None else _read_table(source[0])[source[1]]
 
 
 # Rows of a stacked query tile: 128 fills a Hopper tensor-core tile (wgmma M = 64 per
