@@ -155,6 +155,41 @@ def test_a_card_whose_name_extends_a_card_table_s_reads_it():
     assert card_table("ampere", "NVIDIA H200 NVL") is None  # no table folder
 
 
+def test_a_masked_key_without_an_entry_takes_its_unmasked_twin_s(monkeypatch):
+    from lik.runtime import tuning
+    from lik.runtime.keys import KernelKey
+
+    tables = {
+        "hopper.toml": {
+            "maxsim_dense_nomask_bf16_triton|128|32|l|q8": {"block_l": 64, "num_warps": 4,
+                                                           "num_stages": 3, "query_group": 8},
+            "maxsim_dense_qmask_bf16_triton|128|32|l|q8": {"block_l": 32, "num_warps": 8,
+                                                          "num_stages": 2, "query_group": 2},
+        },
+        "hopper/A_card.toml": {
+            "maxsim_dense_nomask_bf16_triton|128|32|m|q8": {"block_l": 128, "num_warps": 4,
+                                                           "num_stages": 2, "query_group": 4},
+        },
+    }  # fmt: skip
+    monkeypatch.setattr(tuning, "_read_table", lambda name: tables.get(name, {}))
+    monkeypatch.setattr(tuning, "card_table", lambda family, card: "hopper/A_card.toml")
+
+    def key(mask, size="l"):
+        return KernelKey(f"maxsim_dense_{mask}_bf16_triton", "hopper", 128, 32, size, 8)
+
+    # No entry of its own: the unmasked variant's, from the table that has it.
+    assert tuning.committed_source(key("dmask")) == (
+        "hopper.toml", "maxsim_dense_nomask_bf16_triton|128|32|l|q8")
+    assert tuning.committed_entry(key("qdmask"))["query_group"] == 8
+    assert tuning.committed_table(key("dmask", "m")) == "hopper/A_card.toml"
+    # An entry of its own wins over the twin's, even one in the card's table.
+    assert tuning.committed_entry(key("qmask"))["block_l"] == 32
+    # Unmasked keys, and keys whose twin has no entry either, keep what they had.
+    assert tuning.unmasked_key(key("nomask")) is None
+    assert tuning.committed_source(key("dmask", "s")) is None
+    assert tuning.unmasked_key(key("qdmask")).variant == "maxsim_dense_nomask_bf16_triton"
+
+
 def test_a_call_keys_its_config_by_the_gpu_it_runs_on(monkeypatch):
     from lik.runtime import maxsim, tuning
 
