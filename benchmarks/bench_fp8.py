@@ -195,8 +195,9 @@ def measure(key, shape, input_sets, refs, docs, ceilings, args) -> dict:
         result["ms"] = cpu_wallclock_ms(call)
     else:
         # Each timer in TIMING_ROUNDS rounds, the lowest median kept (all in the record):
-        # a round now and then reads 10-30% high on these ~0.08 ms calls (H200: lik's
-        # per-tensor call 0.094-0.096 ms in two runs' first rounds, 0.074 in its others).
+        # a round now and then reads 10-30% high on these ~0.08 ms calls (H200 hosts:
+        # lik's per-tensor call 0.085-0.096 ms in three of six one-round runs, 0.074-0.076
+        # in the others).
         timing = TIMING["quick" if args.quick else "full"]
         result["ms_rounds"], result["clean_l2_ms_rounds"] = [], []
         for _ in range(TIMING_ROUNDS):
