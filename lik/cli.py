@@ -363,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     explain.add_argument("--dtype", choices=sorted(EXPLAIN_DTYPES), default="bf16")
     explain.add_argument(
+        "--masks", choices=sorted(EXPLAIN_MASKS), default="none",
+        help="the call's masks: q_mask (q), d_mask (d), both (qd) or none (default)",
+    )  # fmt: skip
+    explain.add_argument(
         "--family", help="GPU family whose tuning table to read (default: this GPU's, else hopper)"
     )
     explain.add_argument(
@@ -375,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EXPLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --masks: (q_mask given, d_mask given)
+EXPLAIN_MASKS = {"none": (False, False), "q": (True, False), "d": (False, True), "qd": (True, True)}
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -393,9 +399,11 @@ def run_explain(args) -> int:
 
     if not TRITON_AVAILABLE:  # the plan reads the generated Triton modules
         raise InputError("explains Triton launches; install Triton first (pip install triton)")
+    q_mask, d_mask = EXPLAIN_MASKS[args.masks]
     plan = explain_forward(
-        args.shape, dtype=EXPLAIN_DTYPES[args.dtype], family=args.family, card=args.card
-    )
+        args.shape, dtype=EXPLAIN_DTYPES[args.dtype], family=args.family, card=args.card,
+        q_mask=q_mask, d_mask=d_mask,
+    )  # fmt: skip
     print(render(plan))
     return 0
 

@@ -1,4 +1,4 @@
-"""What a plain `maxsim(Q, D)` call of a given shape launches, and why (`lik explain`):
+"""What a `maxsim(Q, D)` call of a given shape launches, and why (`lik explain`):
 its generated kernel, tuning key and entry, launch config and strategy, derived by the
 same functions a call goes through (dispatch), for a GPU family's committed table.
 
@@ -14,7 +14,7 @@ import torch
 
 from lik.runtime import dispatch, registry, tune, validate
 from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
-from lik.runtime.tuning import LaunchConfig, committed_table, config_for, table_file
+from lik.runtime.tuning import LaunchConfig, committed_source, config_for, table_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,11 +22,19 @@ class ForwardPlan:
     shape: tuple[int, int, int, int, int]  # Nq, Nd, Lq, Ld, d
     dtype: torch.dtype
     key: KernelKey  # the forward key of the first query chunk
-    table: str | None  # the table whose entry key takes (tuning.committed_table), or None
-    once_table: str | None  # the same for the "once" key (used where docs load once)
+    # (table, table key) of the entry key takes (tuning.committed_source: its own, or a
+    # masked variant's unmasked twin's), or None
+    source: tuple[str, str] | None
+    once_source: tuple[str, str] | None  # the same for the "once" key (docs loaded once)
+    masks: str  # the call's mask arguments: "", "q_mask", "d_mask" or "q_mask, d_mask"
     config: LaunchConfig  # as launched: doc blocks, token ranges, tail peel, once tiles
     chunks: int  # launches over query-token chunks of at most LQ_CHUNK tokens
     wave: int  # programs of this config the GPU holds at once
+
+    @property
+    def table(self) -> str | None:
+        """The table whose entry the key takes, or None (the default config)."""
+        return None if self.source is None else self.source[0]
 
     @property
     def programs(self) -> int:
@@ -39,11 +47,12 @@ class ForwardPlan:
 
 def explain_forward(
     shape, *, dtype: torch.dtype = torch.bfloat16, family: str | None = None,
-    card: str | None = None,
+    card: str | None = None, q_mask: bool = False, d_mask: bool = False,
 ) -> ForwardPlan:  # fmt: skip
     """The plan of maxsim(Q [Nq, Lq, d], D [Nd, Ld, d]) in `dtype` for shape (Nq, Nd, Lq,
-    Ld, d), on `family`'s table (default: the local CUDA GPU's, else "hopper") and, first,
-    `card`'s own (default: the local GPU's where it is of that family, else none)."""
+    Ld, d), with a query and/or doc mask where asked, on `family`'s table (default: the
+    local CUDA GPU's, else "hopper") and, first, `card`'s own (default: the local GPU's
+    where it is of that family, else none)."""
     nq, nd, lq, ld, d = (int(size) for size in shape)
     if min(nq, nd, lq, ld, d) < 1:
         raise ValueError(f"shape must be five positive sizes (Nq, Nd, Lq, Ld, d), got {shape}")
@@ -56,7 +65,8 @@ def explain_forward(
         device = torch.device("cpu")  # another GPU's plan: an H100's SM count
     if card is None:
         card = gpu_card(device)
-    key = tune.key_for(("call", nq, nd, lq, ld, d), family, dtype, card)
+    key = tune.key_for(("call", nq, nd, lq, ld, d), family, dtype, card,
+                       q_mask=q_mask, d_mask=d_mask)  # fmt: skip
     module = registry.load(key.variant)
     once_key = dataclasses.replace(key, kernel="once")
     key_config = config_for(key, module.smem_bytes)
@@ -68,8 +78,9 @@ def explain_forward(
         shape=(nq, nd, lq, ld, d),
         dtype=dtype,
         key=key,
-        table=committed_table(key),
-        once_table=committed_table(once_key),
+        source=committed_source(key),
+        once_source=committed_source(once_key),
+        masks=", ".join(name for name, on in (("q_mask", q_mask), ("d_mask", d_mask)) if on),
         config=config,
         chunks=-(-lq // LQ_CHUNK),
         wave=dispatch.wave_for(module, config, device),
@@ -109,9 +120,13 @@ def strategy_lines(plan: ForwardPlan) -> list[str]:
     return lines
 
 
-def _entry(table: str | None, family: str) -> str:
-    if table is None:
+def _entry(key: str, source: tuple[str, str] | None, family: str) -> str:
+    """Where the entry of table key `key` comes from, as `lik explain` prints it."""
+    if source is None:
         return f"no entry in runtime/tuning/{table_file(family)}: the default config"
+    table, taken = source
+    if taken != key:
+        return f"none of its own: its unmasked twin's, {taken} in runtime/tuning/{table}"
     return f"entry in runtime/tuning/{table}"
 
 
@@ -126,14 +141,16 @@ def render(plan: ForwardPlan) -> str:
     dtype = str(plan.dtype).removeprefix("torch.")
     family = plan.key.family
     gpus = f"{plan.key.card} ({family} family)" if plan.key.card else f"{family} GPUs"
+    masks = f", {plan.masks}" if plan.masks else ""
+    key = plan.key.table_key()
     lines = [
-        f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]) in {dtype}, {gpus}",
+        f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]{masks}) in {dtype}, {gpus}",
         f"  kernel    {plan.key.variant} (generated/triton/{plan.key.variant}.py)",
-        f"  key       {plan.key.table_key()} ({_entry(plan.table, family)})",
+        f"  key       {key} ({_entry(key, plan.source, family)})",
     ]
     if config.evict_docs:
-        once = _entry(plan.once_table, family)
-        lines.append(f"  once key  {plan.key.table_key()}|once ({once})")
+        once = _entry(f"{key}|once", plan.once_source, family)
+        lines.append(f"  once key  {key}|once ({once})")
     lines += [
         f"  config    {config.block_q}-row query tiles x {config.block_l}-token doc tiles, "
         f"head dim {config.block_k}; {_count(config.num_warps, 'warp')}, "

@@ -45,6 +45,32 @@ def test_the_plan_is_the_config_a_call_launches(monkeypatch, shape, strategy):
         assert plan.config.doc_splits == plan.config.docs_per_program == 1
 
 
+@pytest.mark.parametrize("masks", ["q", "d", "qd"])
+def test_a_masked_call_s_plan_is_the_config_it_launches(masks):
+    nq, nd, lq, ld, d = shape = (3, 5, 6, 21, 32)
+    generator = torch.Generator().manual_seed(4)
+    Q = torch.randn(nq, lq, d, generator=generator).bfloat16().to(DEVICE)
+    D = torch.randn(nd, ld, d, generator=generator).bfloat16().to(DEVICE)
+    q_mask = torch.rand(nq, lq, generator=generator).to(DEVICE) < 0.8 if "q" in masks else None
+    d_mask = torch.rand(nd, ld, generator=generator).to(DEVICE) < 0.8 if "d" in masks else None
+    dispatch._call_configs.clear()
+    dispatch.forward("dense", Q, D, q_mask, d_mask, False, torch.empty(nq, nd, device=DEVICE))
+    ((launched_key, *_), launched), = dispatch._call_configs.items()
+    plan = explain_forward(shape, family=gpu_family(DEVICE), q_mask=q_mask is not None,
+                           d_mask=d_mask is not None)  # fmt: skip
+    assert plan.key.variant == launched_key and plan.config == launched
+
+
+def test_a_masked_key_shows_the_unmasked_twin_s_entry_it_takes(capsys):
+    assert main(["explain", "--shape", "256,256,32,300,128", "--family", "hopper", "--card", "",
+                 "--masks", "d"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "D [256, 300, 128], d_mask) in bfloat16" in text
+    assert ("maxsim_dense_dmask_bf16_triton|128|32|l|q8 (none of its own: its unmasked twin's, "
+            "maxsim_dense_nomask_bf16_triton|128|32|l|q8 in runtime/tuning/hopper.toml)") in text
+    assert "8 queries' tokens stacked per tile (256 rows)" in text  # the twin's query group
+
+
 def test_prints_the_kernel_key_config_and_strategy_of_a_shape(capsys):
     # longdoc on the committed Hopper table: 8 queries stacked, 4 token ranges per doc.
     assert main(["explain", "--shape", "16,32,32,8192,128", "--family", "hopper"]) == 0
