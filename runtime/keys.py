@@ -86,6 +86,15 @@ def _cuda_family(index: int) -> str:
     return "older"
 
 
+# The mask token of a variant's name (its third), by (q_mask given, d_mask given).
+MASK_TOKENS = {
+    (False, False): "nomask",
+    (True, False): "qmask",
+    (False, True): "dmask",
+    (True, True): "qdmask",
+}
+
+
 @functools.cache  # a handful of distinct names; looked up every call
 def variant_name(
     layout: str,
@@ -98,12 +107,7 @@ def variant_name(
     op: str = "maxsim",
 ) -> str:
     """The canonical generated-variant name (see lik_gen.ir.Variant.name)."""
-    mask = {
-        (False, False): "nomask",
-        (True, False): "qmask",
-        (False, True): "dmask",
-        (True, True): "qdmask",
-    }[(has_q_mask, has_d_mask)]
+    mask = MASK_TOKENS[(has_q_mask, has_d_mask)]
     layout_token = layout.replace("_", "")  # packed_pairs -> packedpairs
     name = f"{op}_{layout_token}_{mask}_{_NAME_TOKEN[dtype]}_{target}"
     if normalize:

@@ -15,7 +15,7 @@ import importlib.resources
 import re
 import tomllib
 
-from lik.runtime.keys import KernelKey
+from lik.runtime.keys import MASK_TOKENS, KernelKey
 
 # Shared memory per block a kernel may claim, by family (bytes). Bigger pipelines are
 # cut down to fit rather than failing to launch.
@@ -95,9 +95,6 @@ def card_table(family: str, card: str) -> str | None:
     return max(extended, key=len, default=None)
 
 
-MASKS = ("qmask", "dmask", "qdmask")  # the mask token of a variant's name (keys.variant_name)
-
-
 def unmasked_key(key: KernelKey) -> KernelKey | None:
     """The same key for the variant without masks, for a masked variant's key (else None).
     Masks add a load and a select per tile, not another tiling: where a masked variant
@@ -105,9 +102,10 @@ def unmasked_key(key: KernelKey) -> KernelKey | None:
     default (H100, in-batch 256 x 256 with a doc mask: 0.63 -> 0.41 ms, unmasked 0.33;
     benchmarks/results/masked_configs_H100_H200.md)."""
     op, layout, mask, *rest = key.variant.split("_")
-    if mask not in MASKS:
+    unmasked = MASK_TOKENS[(False, False)]
+    if mask == unmasked:
         return None
-    return dataclasses.replace(key, variant="_".join([op, layout, "nomask", *rest]))
+    return dataclasses.replace(key, variant="_".join([op, layout, unmasked, *rest]))
 
 
 def committed_source(key: KernelKey) -> tuple[str, str] | None:
@@ -123,12 +121,6 @@ def committed_source(key: KernelKey) -> tuple[str, str] | None:
             if candidate.table_key() in _read_table(name):
                 return name, candidate.table_key()
     return None
-
-
-def committed_table(key: KernelKey) -> str | None:
-    """The table whose entry a key takes (committed_source), None where none has one."""
-    source = committed_source(key)
-    return None if source is None else source[0]
 
 
 def committed_entry(key: KernelKey) -> dict | None:

@@ -118,7 +118,11 @@ def test_a_card_table_holds_entries_tuned_on_that_card():
 
 def test_a_card_s_own_entries_come_before_its_family_s():
     from lik.runtime.keys import KernelKey
-    from lik.runtime.tuning import committed_table, config_for, table_file
+    from lik.runtime.tuning import committed_source, config_for, table_file
+
+    def committed_table(key):
+        source = committed_source(key)
+        return None if source is None else source[0]
 
     assert table_file("hopper", "NVIDIA H100 80GB HBM3") == "hopper/NVIDIA_H100_80GB_HBM3.toml"
     colpali = tune.key_for(("colpali-rerank", 1, 1000, 128, 1024, 128), "hopper")
@@ -161,13 +165,13 @@ def test_a_masked_key_without_an_entry_takes_its_unmasked_twin_s(monkeypatch):
 
     tables = {
         "hopper.toml": {
-            "maxsim_dense_nomask_bf16_triton|128|32|l|q8": {"block_l": 64, "num_warps": 4,
+            "maxsim_dense_nomask_bf16_triton|128|32|s|q8": {"block_l": 64, "num_warps": 4,
                                                            "num_stages": 3, "query_group": 8},
             "maxsim_dense_qmask_bf16_triton|128|32|l|q8": {"block_l": 32, "num_warps": 8,
                                                           "num_stages": 2, "query_group": 2},
         },
         "hopper/A_card.toml": {
-            "maxsim_dense_nomask_bf16_triton|128|32|m|q8": {"block_l": 128, "num_warps": 4,
+            "maxsim_dense_nomask_bf16_triton|128|32|l|q8": {"block_l": 128, "num_warps": 4,
                                                            "num_stages": 2, "query_group": 4},
         },
     }  # fmt: skip
@@ -178,15 +182,18 @@ def test_a_masked_key_without_an_entry_takes_its_unmasked_twin_s(monkeypatch):
         return KernelKey(f"maxsim_dense_{mask}_bf16_triton", "hopper", 128, 32, size, 8)
 
     # No entry of its own: the unmasked variant's, from the table that has it.
+    assert tuning.committed_source(key("dmask", "s")) == (
+        "hopper.toml", "maxsim_dense_nomask_bf16_triton|128|32|s|q8")
+    assert tuning.committed_entry(key("qdmask", "s"))["query_group"] == 8
     assert tuning.committed_source(key("dmask")) == (
-        "hopper.toml", "maxsim_dense_nomask_bf16_triton|128|32|l|q8")
-    assert tuning.committed_entry(key("qdmask"))["query_group"] == 8
-    assert tuning.committed_table(key("dmask", "m")) == "hopper/A_card.toml"
-    # An entry of its own wins over the twin's, even one in the card's table.
+        "hopper/A_card.toml", "maxsim_dense_nomask_bf16_triton|128|32|l|q8")
+    # An entry of its own (here the family's) wins over the twin's (here the card's).
+    assert tuning.committed_source(key("qmask")) == (
+        "hopper.toml", "maxsim_dense_qmask_bf16_triton|128|32|l|q8")
     assert tuning.committed_entry(key("qmask"))["block_l"] == 32
     # Unmasked keys, and keys whose twin has no entry either, keep what they had.
     assert tuning.unmasked_key(key("nomask")) is None
-    assert tuning.committed_source(key("dmask", "s")) is None
+    assert tuning.committed_source(key("dmask", "m")) is None
     assert tuning.unmasked_key(key("qdmask")).variant == "maxsim_dense_nomask_bf16_triton"
 
 
