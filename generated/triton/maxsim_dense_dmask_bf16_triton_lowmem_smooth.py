@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_bf16_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: cc5f6f382e0d116d409b6710d14751c5918e640128ef61b31d99e7bf459e266f
+# body-sha256: 2893298e0d5677befb1bb79f4afd122d97acb91a2111550541312fd9b737f7e6
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_bf16_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -141,7 +141,10 @@ def maxsim_dense_dmask_bf16_triton_lowmem_smooth_fwd_kernel(
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 255d6756bb6b2d56a160f1b8a5842b8c4a89281ac7efa556b05ef359b0864107
+# body-sha256: 27f4661196c7cb77072f7803407cf6ce6ddedd45f9237bc1f0082eaff766cc90
 
 """MaxSim forward for maxsim_dense_dmask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -134,7 +134,10 @@ def maxsim_dense_dmask_fp8_triton_fwd_kernel(
                 scale_D + d_scale_base + next_t * stride_sdt, mask=next_t < d_len, other=0.0
             )
             sim = sim * d_token_scale[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 37b8c123112b344c456d1423c2177ef54332c9882727e28eb6323bfc0e4472dd
+# body-sha256: 20b4a73ef4b228ac0b49a30b3d37b08121bebe415c4da35d4d621339bf63f8fc
 
 """MaxSim training (lowmem backward) for maxsim_dense_qdmask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -137,7 +137,10 @@ def maxsim_dense_qdmask_bf16_triton_norm_lowmem_fwd_kernel(
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

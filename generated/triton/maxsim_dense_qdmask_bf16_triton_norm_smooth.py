@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_bf16_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: bb6a2eeaee9b3f66837d8c82443003dd78e03e42b2e6c5bf2f38656d1ec56cd8
+# body-sha256: fb4c711e164386e994c152a458e9ba76c515decdc7494addb65608bee13ad576
 
 """MaxSim forward for maxsim_dense_qdmask_bf16_triton_norm_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -153,7 +153,10 @@ def maxsim_dense_qdmask_bf16_triton_norm_smooth_fwd_kernel(
         # both norms scale the fp32 similarities here; normalizing q before a bf16 dot
         # instead rounds it and flips near-tied winners.
         sim = sim * q_scale[:, None] * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qdmask_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp8e4m3", "layout": "dense", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b8d5e40e2dd6f8fd531791d481d4bb304dc33da93f9c755cd4d1ccd365697b39
+# body-sha256: 361bc6afa09f9df69069821420d1f1c7d6192a6a73e55463c7b71dc8b023f275
 
 """MaxSim forward for maxsim_dense_qdmask_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -139,7 +139,10 @@ def maxsim_dense_qdmask_fp8_triton_fwd_kernel(
                 scale_D + d_scale_base + next_t * stride_sdt, mask=next_t < d_len, other=0.0
             )
             sim = sim * d_token_scale[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

@@ -2,7 +2,7 @@
 # variant: maxsim_kd_dmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "kd", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 057b427ceb3b37017fb1018cde9d35b590c5636bfe1889b312a631275e9b5a6c
+# body-sha256: 9bde89be83bb6edd6b067dfa3da9ff0cca4e67e38291442a65bc030571b413ba
 
 """MaxSim forward for maxsim_kd_dmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -110,7 +110,10 @@ def maxsim_kd_dmask_bf16_triton_norm_fwd_kernel(
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 44923079e6e4879dc945fad9707d0586b4b427df8d6f2ee982e45505d307910e
+# body-sha256: 21f428b3ab0289ec6a2693c791f7f05b3938611350bb39ad1a226baa2aa36733
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -105,7 +105,10 @@ def maxsim_pairs_dmask_fp32_triton_norm_fwd_kernel(
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

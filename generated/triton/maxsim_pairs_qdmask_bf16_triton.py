@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6fd0f39b1dbc4c54e7bbd78d4f8125d138505717676dac0e7c5e7e7214edd1ce
+# body-sha256: d83bbf5858f1fd6adaee279f69c0a0904468b98bc1de5dc5fb22b07d05dd64f3
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -102,7 +102,10 @@ def maxsim_pairs_qdmask_bf16_triton_fwd_kernel(
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

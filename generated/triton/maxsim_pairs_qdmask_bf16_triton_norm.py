@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "pairs", "mask": "qd", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4a3bd9c8b4e70b159887f04c21890ad6ab968be985a258f2f355e2599d5df2cc
+# body-sha256: c0af43fb57334aa347809e46825b41806cbdc8616350036888feb2a5d074fa1d
 
 """MaxSim forward for maxsim_pairs_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -110,7 +110,10 @@ def maxsim_pairs_qdmask_bf16_triton_norm_fwd_kernel(
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         sim = tl.where(t_valid[None, :], sim, float("-inf"))

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp16_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 0dc13b5ff726749985a16b87a72120eafc8e338fcdc22121639810af1b8d6f7a
+# body-sha256: 96f54281a0e5f3f60807cfa6cb29f4ea2e19c00f03409e53a9faf7a1d7f6db22
 
 """MaxSim forward for maxsim_pairs_qdmask_fp16_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -157,7 +157,10 @@ def maxsim_pairs_qdmask_fp16_triton_topkmean_fwd_kernel(
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        t_valid = (offs_t < d_len) & (
+        # Tokens past the doc's length load as masked (other=0): no second length test,
+        # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+        # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+        t_valid = (
             tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0) != 0
         )
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)

@@ -2,7 +2,7 @@
 # variant: topk_dense_qdmask_bf16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "qd", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d638200b7bdbb547730163052d8b9ff0d1c8c54bdd883eb145a15cb28df8b08b
+# body-sha256: 74050922db8c527006a54252fe313ca05b6232fe8f23bbb5519af28bca0e1279
 
 """MaxSim top-k candidates (retrieval) for topk_dense_qdmask_bf16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -141,7 +141,10 @@ def topk_dense_qdmask_bf16_triton_norm_fwd_kernel(
             )
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
-            t_valid = (offs_t < d_len) & (
+            # Tokens past the doc's length load as masked (other=0): no second length test,
+            # which cost 4-7% (H100, in-batch 256 with a doc mask 0.408 -> 0.390 ms, 8 queries
+            # x 2000 docs 0.131 -> 0.122; benchmarks/results/masked_tiles_H100_H200.md).
+            t_valid = (
                 tl.load(d_mask + d_mask_base + offs_t * stride_dmt, mask=offs_t < d_len, other=0)
                 != 0
             )
