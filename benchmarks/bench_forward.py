@@ -467,6 +467,11 @@ def markdown_report(report: dict) -> str:
         parity_table(report),
         "",
     ]
+    sweeps = report.get("call_time_sweeps")
+    if sweeps is not None:
+        why = " (every suite key has a committed entry)" if sweeps == 0 else ""
+        parts += [f"Call-time autotune sweeps in this run (lik.runtime.autotune): {sweeps}{why}.",
+                  ""]  # fmt: skip
     errors = error_lines(report)
     if errors:
         parts += ["## Errors", "", *errors, ""]
@@ -512,6 +517,8 @@ def tiny(shape: Shape) -> Shape:
 
 
 def main(argv=None) -> int:
+    from lik.runtime import autotune
+
     args = parse_args(argv)
     by_name = {shape.name: shape for shape in SHAPES}
     shapes = [by_name[name] for name in pick(args.shapes, list(by_name), "shape")]
@@ -550,6 +557,8 @@ def main(argv=None) -> int:
     for shape in shapes:
         print(f"[{shape.name}] {shape.dims}", flush=True)
         report["shapes"].append(measure_shape(shape, keys, ceilings, device, args))
+        # The suite's keys all have entries: a sweep here would mean one went missing.
+        report["call_time_sweeps"] = autotune.sweeps
         write_report(report, out_dir, stem)  # after every shape, so a cut-off run keeps data
 
     print()

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from lik.runtime import metal, registry, validate
+from lik.runtime import autotune, metal, registry, validate
 from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
@@ -29,7 +29,14 @@ from lik.runtime.keys import (
     size_class,
     variant_name,
 )
-from lik.runtime.tuning import DEFAULT_SMEM_LIMIT, SMEM_LIMIT, config_for
+from lik.runtime.tuning import (
+    DEFAULT_SMEM_LIMIT,
+    SMEM_LIMIT,
+    STACKED_ROWS,
+    committed_source,
+    config_for,
+    default_config,
+)
 
 # Looked up once at import (not per call), so torch.compile sees a plain constant.
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -269,33 +276,81 @@ def with_once_tiles(config, once):
     return dataclasses.replace(config, block_l=once.block_l, num_warps=once.num_warps)
 
 
-def _key_config(name: str, module, Q: torch.Tensor, lq: int, programs: int, kernel: str):
-    """The config of a call's tuning key (table entry or default), looked up once per key."""
+def _call_key(name: str, module, Q: torch.Tensor, lq: int, programs: int, kernel: str):
+    """The KernelKey of a call of variant `name` (module) with queries Q."""
     queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
-    cache_key = (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries,
-                 kernel)  # fmt: skip
+    return KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]), lq_bucket(lq),
+                     size_class(programs), queries, kernel, gpu_card(Q.device))  # fmt: skip
+
+
+def _key_cache_key(name: str, module, Q: torch.Tensor, lq: int, programs: int,
+                   kernel: str) -> tuple:  # fmt: skip
+    queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
+    return (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries, kernel)
+
+
+def _key_config(name: str, module, Q: torch.Tensor, lq: int, programs: int, kernel: str):
+    """The config of a call's tuning key (committed entry, autotuned entry or default),
+    looked up once per key."""
+    cache_key = _key_cache_key(name, module, Q, lq, programs, kernel)
     config = _configs.get(cache_key)
     if config is None:
-        key = KernelKey(name, gpu_family(Q.device), padded_head_dim(Q.shape[-1]),
-                        lq_bucket(lq), size_class(programs), queries, kernel,
-                        gpu_card(Q.device))  # fmt: skip
-        config = _configs.setdefault(cache_key, config_for(key, module.smem_bytes))
+        key = _call_key(name, module, Q, lq, programs, kernel)
+        config = _configs.setdefault(
+            cache_key, config_for(key, module.smem_bytes, _autotuned_entry(key, Q.device))
+        )
     return config
+
+
+def _autotuned_entry(key: KernelKey, device: torch.device) -> dict | None:
+    """A key's autotuned entry, where it has no committed one and autotune applies."""
+    if not autotune.applies(key, device) or committed_source(key) is not None:
+        return None
+    return autotune.cached_entry(key)
 
 
 def _keyed_config(
     name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int, doc_tokens: int,
-    kernel: str,
+    kernel: str, key_config=None,
 ):  # fmt: skip
-    """The launch config of a call: its tuning key's config, then, for kernels that stream
-    docs, the doc blocks or token ranges `docs` and `doc_tokens` (Nd and Ld) call for, and
-    for docs loaded once the tile and warps of the "once" key."""
-    config = _key_config(name, module, Q, lq, programs, kernel)
+    """The launch config of a call: its tuning key's config (or key_config in its place),
+    then, for kernels that stream docs, the doc blocks or token ranges `docs` and
+    `doc_tokens` (Nd and Ld) call for, and for docs loaded once the tile and warps of the
+    "once" key."""
+    config = key_config or _key_config(name, module, Q, lq, programs, kernel)
     if not getattr(module, "DOC_STREAM", False):  # streaming modules: never a "bwd" key
         return config
     dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
     return stream_config(module, config, lambda: _key_config(name, module, Q, lq, programs, "once"),
                          Q.shape[0], docs, doc_tokens, dense_bytes, Q.device)  # fmt: skip
+
+
+def _autotune(name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int,
+              doc_tokens: int, run) -> None:  # fmt: skip
+    """Sweeps the call's forward key, once, where no table and no earlier sweep covers it
+    (lik.runtime.autotune): each candidate entry is shaped into a launch config as the
+    call would shape the key's entry, configs that shape alike are timed once, and
+    run(config) launches the call with it and returns its output."""
+    key = _call_key(name, module, Q, lq, programs, "fwd")
+    if not autotune.applies(key, Q.device) or autotune.capturing(Q.device):
+        return
+    if committed_source(key) is not None or autotune.cached_entry(key) is not None:
+        return
+    base = default_config(key)
+    stackable = min(key.queries, 2 * STACKED_ROWS // key.lq)
+    entries, launched = [], {}
+    for entry in autotune.candidates(base, lq=key.lq, max_query_group=max(1, stackable)):
+        key_config = config_for(key, module.smem_bytes, entry)
+        config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, "fwd",
+                               key_config)  # fmt: skip
+        if config not in launched.values():
+            entries.append(entry)
+            launched[id(entry)] = config
+    docs_shape = f", D [{docs}, {doc_tokens}, {Q.shape[-1]}]" if docs else ""
+    shape = f"call-time sweep: Q {list(Q.shape)}{docs_shape}, {programs} outputs"
+    if autotune.sweep(key, entries, lambda entry: run(launched[id(entry)]), Q.device, shape):
+        # The key's config is the winner's from now on.
+        _configs.pop(_key_cache_key(name, module, Q, lq, programs, "fwd"), None)
 
 
 def stream_config(module, config, once_config, nq: int, nd: int, ld: int, dense_bytes: int,
@@ -333,16 +388,19 @@ CALL_CONFIG_CACHE_SIZE = 4096
 
 def _config(
     name: str, module, Q: torch.Tensor, lq: int, programs: int, *, docs=0, doc_tokens=0,
-    kernel="fwd",
+    kernel="fwd", run=None,
 ):  # fmt: skip
     """The launch config of a call (see _keyed_config), remembered per call shape.
-    kernel: "fwd", or "bwd" for a training variant's backward kernels."""
+    kernel: "fwd", or "bwd" for a training variant's backward kernels. run(config) -> out,
+    where given, launches the call: a forward key without an entry is autotuned with it."""
     call = (name, Q.get_device(), Q.shape[0], Q.shape[-1], lq, programs, docs, doc_tokens,
             kernel)  # fmt: skip
     config = _call_configs.get(call)
     if config is None:
         if len(_call_configs) >= CALL_CONFIG_CACHE_SIZE:
             _call_configs.clear()
+        if run is not None:
+            _autotune(name, module, Q, lq, programs, docs, doc_tokens, run)
         config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, kernel)
         _call_configs[call] = config
     return config
@@ -453,11 +511,27 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
 
 def _launch_chunk(name, module, out, Q, shared, per_token, *, docs, doc_tokens, adjust):
     """One launch of variant `name` into out, with the config its key (and adjust) gives."""
-    config = _config(name, module, Q, Q.shape[1], out.numel(), docs=docs, doc_tokens=doc_tokens)
+    launch_keyed(name, module, Q, Q.shape[1], out, Q=Q, **shared, **per_token, docs=docs,
+                 doc_tokens=doc_tokens, adjust=adjust)  # fmt: skip
+    return out
+
+
+def launch_keyed(name, module, queries, lq, out, *args, docs=0, doc_tokens=0, adjust=None,
+                 **kwargs):  # fmt: skip
+    """Launches variant `name` (module) into out with its call's config: the key of its
+    queries [N, Lq, d] (lq tokens bucketed) and out.numel() outputs, its committed or
+    autotuned entry (autotuned here on a key's first call where it has neither), shaped
+    for docs x doc_tokens and by adjust. args and kwargs go to module.launch."""
+
+    def run(config):
+        module.launch(out, *args, config=adjust(config) if adjust else config, **kwargs)
+        return out
+
+    config = _config(name, module, queries, lq, out.numel(), docs=docs, doc_tokens=doc_tokens,
+                     run=run)  # fmt: skip
     if adjust is not None:
         config = adjust(config)
-    _launch(module.launch, config, out, Q=Q, **shared, **per_token)
-    return out
+    return _launch(module.launch, config, out, *args, **kwargs)
 
 
 def backward(
@@ -518,9 +592,9 @@ def forward_ragged(
         return out.zero_()
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=backward)
     module = registry.load(name)
-    config = _config(name, module, Q, max_seqlen_q, out.numel())
     extra = {"argmax": argmax} if argmax is not None else {}
-    _launch(module.launch, config, out, Q, D, **tensors, max_seqlen_q=max_seqlen_q, **extra)
+    launch_keyed(name, module, Q, max_seqlen_q, out, Q, D, **tensors, max_seqlen_q=max_seqlen_q,
+                 **extra)  # fmt: skip
     return out
 
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from lik.runtime import dispatch, registry, tune, validate
+from lik.runtime import autotune, dispatch, registry, tune, validate
 from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
 from lik.runtime.tuning import LaunchConfig, committed_source, config_for, table_file
 
@@ -27,6 +27,7 @@ class ForwardPlan:
     source: tuple[str, str] | None
     once_source: tuple[str, str] | None  # the same for the "once" key (docs loaded once)
     masks: str  # the call's mask arguments: "", "q_mask", "d_mask" or "q_mask, d_mask"
+    autotuned: bool  # no committed entry; the config comes from this machine's autotune cache
     config: LaunchConfig  # as launched: doc blocks, token ranges, tail peel, once tiles
     chunks: int  # launches over query-token chunks of at most LQ_CHUNK tokens
     wave: int  # programs of this config the GPU holds at once
@@ -69,7 +70,12 @@ def explain_forward(
                        q_mask=q_mask, d_mask=d_mask)  # fmt: skip
     module = registry.load(key.variant)
     once_key = dataclasses.replace(key, kernel="once")
-    key_config = config_for(key, module.smem_bytes)
+    source = committed_source(key)
+    # A key without an entry takes the one its first CUDA call on this card autotuned.
+    tuned = None
+    if source is None and key.card and autotune.applies(key, torch.device("cuda")):
+        tuned = autotune.cached_entry(key)
+    key_config = config_for(key, module.smem_bytes, tuned)
     config = dispatch.stream_config(
         module, key_config, lambda: config_for(once_key, module.smem_bytes),
         nq, nd, ld, nd * ld * d * dtype.itemsize, device,
@@ -78,9 +84,10 @@ def explain_forward(
         shape=(nq, nd, lq, ld, d),
         dtype=dtype,
         key=key,
-        source=committed_source(key),
+        source=source,
         once_source=committed_source(once_key),
         masks=", ".join(name for name, on in (("q_mask", q_mask), ("d_mask", d_mask)) if on),
+        autotuned=tuned is not None,
         config=config,
         chunks=-(-lq // LQ_CHUNK),
         wave=dispatch.wave_for(module, config, device),
@@ -120,10 +127,15 @@ def strategy_lines(plan: ForwardPlan) -> list[str]:
     return lines
 
 
-def _entry(key: str, source: tuple[str, str] | None, family: str) -> str:
-    """Where the entry of table key `key` comes from, as `lik explain` prints it."""
+def _entry(key: str, source: tuple[str, str] | None, family: str, *, autotuned=False,
+           forward=True) -> str:  # fmt: skip
+    """Where the entry of table key `key` comes from, as `lik explain` prints it. forward:
+    a forward key, which its first CUDA call autotunes where it has no entry."""
+    if autotuned:
+        return f"no entry in runtime/tuning; autotuned on this machine, {autotune.cache_path()}"
     if source is None:
-        return f"no entry in runtime/tuning/{table_file(family)}: the default config"
+        later = " until its first CUDA call autotunes it" if forward else ""
+        return f"no entry in runtime/tuning/{table_file(family)}: the default config{later}"
     table, taken = source
     if taken != key:
         return f"none of its own: its unmasked twin's, {taken} in runtime/tuning/{table}"
@@ -146,10 +158,10 @@ def render(plan: ForwardPlan) -> str:
     lines = [
         f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]{masks}) in {dtype}, {gpus}",
         f"  kernel    {plan.key.variant} (generated/triton/{plan.key.variant}.py)",
-        f"  key       {key} ({_entry(key, plan.source, family)})",
+        f"  key       {key} ({_entry(key, plan.source, family, autotuned=plan.autotuned)})",
     ]
     if config.evict_docs:
-        once = _entry(f"{key}|once", plan.once_source, family)
+        once = _entry(f"{key}|once", plan.once_source, family, forward=False)
         lines.append(f"  once key  {key}|once ({once})")
     lines += [
         f"  config    {config.block_q}-row query tiles x {config.block_l}-token doc tiles, "

@@ -181,8 +181,7 @@ def _query_chunks(lq: int):
 
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):
-    config = dispatch._config(name, module, Q, lq, out.numel())
-    dispatch._launch(module.launch, config, out, *args, **kwargs)
+    dispatch.launch_keyed(name, module, Q, lq, out, *args, **kwargs)
 
 
 def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):

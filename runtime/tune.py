@@ -47,6 +47,7 @@ from lik.runtime.keys import (
 )
 from lik.runtime.tuning import (
     STACKED_ROWS,
+    THIN_ROWS,
     LaunchConfig,
     config_for,
     default_query_group,
@@ -82,11 +83,7 @@ TRAIN_STRATEGY = "lowmem"
 BLOCK_L = (32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
-# A query tile of at most THIN_ROWS rows (one short query) is too thin for a warpgroup's
-# tensor-core instruction, and its reranks are bound by their loads: fewer warps per
-# program are candidates too (H200, colbert-rerank: 2 warps 0.0306 ms, 4 warps 0.0316;
-# benchmarks/results/forward_thin_warps_H200.log).
-THIN_ROWS = 32
+# Query tiles of at most THIN_ROWS rows (tuning.THIN_ROWS) take fewer warps too.
 THIN_WARPS = (1, 2)
 # Docs loaded once sit in registers, one tile per warp in flight: wide tiles on few warps
 # or narrow ones on more (H100, lateon-edge: 128 tokens on 2 warps 44.2 us, 64 on 1-2 warps

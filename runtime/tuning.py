@@ -129,6 +129,12 @@ def committed_entry(key: KernelKey) -> dict | None:
     return None if source is None else _read_table(source[0])[source[1]]
 
 
+# A query tile of at most THIN_ROWS rows (one short query) is too thin for a warpgroup's
+# tensor-core instruction, and its reranks are bound by their loads: fewer warps per
+# program are candidates too (H200, colbert-rerank: 2 warps 0.0306 ms, 4 warps 0.0316;
+# benchmarks/results/forward_thin_warps_H200.log).
+THIN_ROWS = 32
+
 # Rows of a stacked query tile: 128 fills a Hopper tensor-core tile (wgmma M = 64 per
 # warpgroup, two warpgroups); one 32-token query alone leaves it three-quarters empty.
 STACKED_ROWS = 128
@@ -171,9 +177,11 @@ def default_config(key: KernelKey) -> dict[str, int]:
             "query_group": query_group}  # fmt: skip
 
 
-def config_for(key: KernelKey, smem_bytes) -> LaunchConfig:
-    """The launch config for a key; smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, stages) caps stages."""
-    entry = committed_entry(key) or default_config(key)
+def config_for(key: KernelKey, smem_bytes, entry: dict | None = None) -> LaunchConfig:
+    """The launch config for a key: `entry` where given (an autotuned one), else its
+    committed entry, else the default; smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, stages) caps
+    stages."""
+    entry = entry or committed_entry(key) or default_config(key)
     stages = entry["num_stages"]
     limit = SMEM_LIMIT.get(key.family, DEFAULT_SMEM_LIMIT)
     query_group = entry.get("query_group", 1)

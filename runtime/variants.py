@@ -89,10 +89,9 @@ def _forward(call: _Call, Q, D, W, q_mask, d_mask, training: bool):
     name = _name(call, Q, q_mask is not None, d_mask is not None,
                  "lowmem" if training else "none")  # fmt: skip
     module = registry.load(name)
-    config = dispatch._config(name, module, Q, Q.shape[1], out.numel())
     extra = {"saved": saved} if training else {}
-    dispatch._launch(module.launch, config, out, Q, D, **_tensors(W, q_mask, d_mask),
-                     **_score_keywords(call), **extra)  # fmt: skip
+    dispatch.launch_keyed(name, module, Q, Q.shape[1], out, Q, D, **_tensors(W, q_mask, d_mask),
+                          **_score_keywords(call), **extra)  # fmt: skip
     return out, saved
 
 

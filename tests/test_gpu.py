@@ -79,3 +79,53 @@ def test_gpu_variant_parity(name, shape):
     if dtype in (torch.float16, torch.bfloat16):
         eager_err = relative_error(_eager(Q, D, q_mask, d_mask, layout, variant.normalize), ref)
         assert err <= 1.1 * eager_err + 1e-6, f"error {err:.3g} vs same-dtype eager {eager_err:.3g}"
+
+
+@pytest.fixture
+def autotune_on(monkeypatch, tmp_path):
+    """Call-time autotune on (the suite turns it off), a fresh cache, no configs looked up."""
+    from lik.runtime import autotune
+
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LIK_AUTOTUNE", raising=False)
+    monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    autotune.forget()
+    yield autotune
+    autotune.forget()
+
+
+def test_gpu_a_key_without_an_entry_sweeps_once_then_launches_its_winner(autotune_on):
+    from lik.runtime import maxsim
+    from lik.runtime.tuning import committed_source
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    # 64-token queries: no committed Hopper entry has that bucket.
+    Q = torch.randn(4, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(300, 200, 128, device="cuda", generator=g).to(torch.bfloat16)
+    name = "maxsim_dense_nomask_bf16_triton"
+    key = dispatch._call_key(name, registry.load(name), Q, 64, 4 * 300, "fwd")
+    assert committed_source(key) is None
+    before = autotune_on.sweeps
+    out = maxsim(Q, D)
+    assert autotune_on.sweeps == before + 1
+    ref = maxsim_reference(Q.double(), D.double())
+    assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16]
+    entry = autotune_on.cached_entry(key)
+    (launched,) = dispatch._call_configs.values()
+    assert (launched.block_l, launched.num_warps, launched.query_group) == (
+        entry["block_l"], entry["num_warps"], entry["query_group"])  # fmt: skip
+    assert torch.equal(maxsim(Q, D), out) and autotune_on.sweeps == before + 1
+
+
+def test_gpu_no_suite_shape_sweeps_at_call_time(autotune_on):
+    # A key does not depend on Ld: each suite shape's key, called with 16-token docs.
+    from lik.runtime import maxsim, tune
+
+    before = autotune_on.sweeps
+    for _, nq, nd, lq, _, d in tune.SHAPES:
+        Q = torch.randn(nq, lq, d, device="cuda").to(torch.bfloat16)
+        D = torch.randn(nd, 16, d, device="cuda").to(torch.bfloat16)
+        maxsim(Q, D)
+    torch.cuda.synchronize()
+    assert autotune_on.sweeps == before

@@ -109,8 +109,8 @@ def _force_column_argmax(monkeypatch, column_argmax):
     """Every config the runtime looks up from here on keeps (or not) its argmax by column."""
     real = dispatch.config_for
 
-    def config_for(key, smem_bytes):
-        return dataclasses.replace(real(key, smem_bytes), column_argmax=column_argmax)
+    def config_for(key, smem_bytes, entry=None):
+        return dataclasses.replace(real(key, smem_bytes, entry), column_argmax=column_argmax)
 
     monkeypatch.setattr(dispatch, "config_for", config_for)
     monkeypatch.setattr(dispatch, "_configs", {})

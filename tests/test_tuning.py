@@ -69,9 +69,9 @@ def test_a_docs_once_call_takes_the_tile_of_its_once_key(monkeypatch):
     monkeypatch.setattr(dispatch, "loads_docs_once", lambda config, nq, doc_bytes: True)
     asked = []
 
-    def recording_config_for(key, smem_bytes):
+    def recording_config_for(key, smem_bytes, entry=None):
         asked.append(key.kernel)
-        config = tuning.config_for(key, smem_bytes)
+        config = tuning.config_for(key, smem_bytes, entry)
         if key.kernel == "once":  # a tile the forward key would not give
             config = dataclasses.replace(config, block_l=16, num_warps=2)
         return config
@@ -205,9 +205,9 @@ def test_a_call_keys_its_config_by_the_gpu_it_runs_on(monkeypatch):
     monkeypatch.setattr(dispatch, "gpu_card", lambda device: "a card")
     cards = []
 
-    def recording_config_for(key, smem_bytes):
+    def recording_config_for(key, smem_bytes, entry=None):
         cards.append(key.card)
-        return tuning.config_for(key, smem_bytes)
+        return tuning.config_for(key, smem_bytes, entry)
 
     monkeypatch.setattr(dispatch, "config_for", recording_config_for)
     maxsim(torch.randn(2, 5, 16), torch.randn(3, 20, 16))
@@ -232,9 +232,9 @@ def test_backward_kernels_take_their_own_tuning_key(monkeypatch):
     monkeypatch.setattr(dispatch, "_call_configs", {})
     asked = []
 
-    def recording_config_for(key, smem_bytes):
+    def recording_config_for(key, smem_bytes, entry=None):
         asked.append(key)
-        return tuning.config_for(key, smem_bytes)
+        return tuning.config_for(key, smem_bytes, entry)
 
     monkeypatch.setattr(dispatch, "config_for", recording_config_for)
     Q = torch.randn(3, 5, 16, requires_grad=True)

@@ -1,0 +1,185 @@
+"""Call-time autotune for forward keys that no committed table covers, cached on disk.
+
+A CUDA call whose forward key has no committed entry (its own, its card's, its unmasked
+twin's: lik.runtime.tuning.committed_source) times a small grid of launch configs around
+the heuristic default on the call's own inputs, once, and keeps the fastest: in memory for
+the process and in a JSON file that later processes read, so each (card, key, kernel)
+sweeps once per machine. Committed keys never sweep (the suite's shapes all have entries:
+tests/test_tuning.py), nor do backward keys, calls being captured into a CUDA graph, or
+calls under the interpreter.
+
+LIK_AUTOTUNE=0 turns the sweep off (keys without entries then launch the heuristic
+default); LIK_CACHE_DIR moves the cache file (default ~/.cache/lik).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from lik.runtime import registry
+from lik.runtime.tuning import THIN_ROWS
+
+log = logging.getLogger("lik.autotune")
+
+CACHE_FORMAT = 1
+CACHE_FILE = "autotune.json"
+
+_lock = threading.Lock()
+_entries: dict[str, dict] | None = None  # cache key -> entry, read from disk on first use
+sweeps = 0  # sweeps run in this process (benchmarks check that the suite runs none)
+
+
+def applies(key, device: torch.device) -> bool:
+    """Whether a call's key may take an autotuned entry: a CUDA forward key, autotune on."""
+    return (device.type == "cuda" and key.kernel == "fwd"
+            and os.environ.get("LIK_AUTOTUNE", "1") != "0")  # fmt: skip
+
+
+def capturing(device: torch.device) -> bool:
+    """A call being captured into a CUDA graph cannot sync or time: it takes the default."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def cache_path() -> Path:
+    root = os.environ.get("LIK_CACHE_DIR") or os.path.join(Path.home(), ".cache", "lik")
+    return Path(root) / CACHE_FILE
+
+
+def cache_key(key) -> str:
+    """A key's cache entry name: the card, the table key and the generated kernel's hash
+    (a regenerated kernel tunes again; so does another Triton)."""
+    import triton  # only CUDA calls get here, and they run Triton
+
+    files = registry.manifest()[key.variant]["files"]
+    kernel = next(iter(files.values()))[:16]
+    return f"{key.card}|{key.table_key()}|{kernel}|triton {triton.__version__}"
+
+
+def _read_file(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        log.warning("ignoring unreadable autotune cache %s (%s)", path, error)
+        return {}
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+        log.warning("ignoring autotune cache %s: not format %s", path, CACHE_FORMAT)
+        return {}
+    entries = data.get("entries", {})
+    return entries if isinstance(entries, dict) else {}
+
+
+def _loaded() -> dict[str, dict]:
+    global _entries
+    if _entries is None:
+        _entries = _read_file(cache_path())
+    return _entries
+
+
+def cached_entry(key) -> dict | None:
+    """The autotuned entry of a key on its card (None if it has none yet)."""
+    with _lock:
+        return _loaded().get(cache_key(key))
+
+
+def _store(name: str, entry: dict) -> None:
+    """Keeps an entry in memory and merges it into the cache file (written whole, then
+    renamed: a reader never sees half a file). A file that cannot be written leaves the
+    entry in memory only."""
+    _loaded()[name] = entry
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = {**_read_file(path), name: entry}
+        payload = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
+            tmp.write(payload)
+        os.replace(tmp.name, path)
+    except OSError as error:
+        log.warning("autotune cache %s not written (%s); kept for this process", path, error)
+
+
+def candidates(base: dict, *, lq: int, max_query_group: int) -> list[dict]:
+    """The configs a sweep times: the default `base` and its neighbours (half and twice
+    its doc tile, two warp counts, 2 or 3 stages, its query stacking and the most the key
+    allows). Two dozen at most, so that the one-time stall (each candidate compiles) stays
+    in seconds; `make tune`'s grid is wider."""
+    tiles = sorted({max(16, base["block_l"] // 2), base["block_l"], min(256, base["block_l"] * 2)})
+    # Unpipelined variants (residual decoding) stay unpipelined.
+    stages = (1,) if base["num_stages"] == 1 else (2, 3)
+    groups = sorted({base["query_group"], max_query_group})
+    found = [base]
+    for group in groups:
+        # A tile of one short query is too thin for a warpgroup: fewer warps there.
+        warps = (2, 4) if lq * group <= THIN_ROWS else (4, 8)
+        for block_l, num_warps, num_stages in itertools.product(tiles, warps, stages):
+            entry = {**base, "block_l": block_l, "num_warps": num_warps,
+                     "num_stages": num_stages, "query_group": group}  # fmt: skip
+            if entry not in found:
+                found.append(entry)
+    return found
+
+
+def _time_ms(run, device: torch.device) -> float:
+    """Median ms of run() as make tune's quick sweep times it (triton's do_bench, L2
+    emptied before each launch: timed back to back, small calls' docs stay in L2 and the
+    winner can be the slower one once they do not; H100, 4 x 300 docs at Lq 64: a config
+    timed 18.9 us hot read 42 under do_bench against the default's 22.5). perf_counter
+    off CUDA (tests on the CPU)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(run, warmup=10, rep=40, return_mode="median")
+    began = time.perf_counter()
+    run()
+    return (time.perf_counter() - began) * 1000
+
+
+def sweep(key, entries: list[dict], run, device: torch.device, shape: str) -> dict | None:
+    """Times run(entry) -> the call's output for each entry, stores the fastest under the
+    key and returns it; None (nothing stored) where no entry ran. Every launch writes the
+    call's whole output; one that disagrees with the first entry's is left out."""
+    global sweeps
+    began = time.perf_counter()
+    times, reference = [], None
+    for entry in entries:
+        try:
+            out = run(entry).clone()  # compiles: not timed
+            if reference is None:
+                reference = out
+            elif not torch.allclose(out, reference, rtol=1e-3, atol=1e-3, equal_nan=True):
+                log.warning("autotune %s: %s left out, its scores differ from %s's",
+                            key.table_key(), entry, entries[0])  # fmt: skip
+                continue
+            times.append((_time_ms(lambda e=entry: run(e), device), entry))
+        except Exception as error:  # a config this GPU cannot run (resources, compile)
+            log.debug("autotune %s: %s failed: %s", key.table_key(), entry, error)
+    if not times:
+        return None
+    ms, best = min(times, key=lambda pair: pair[0])
+    winner = {**best, "ms": round(ms, 4), "shape": shape, "card": key.card}
+    with _lock:
+        sweeps += 1
+        _store(cache_key(key), winner)
+    log.info("autotuned %s on %s in %.1f s (%d configs): block_l=%d num_warps=%d "
+             "num_stages=%d query_group=%d, %.4f ms", key.table_key(), key.card,
+             time.perf_counter() - began, len(entries), best["block_l"], best["num_warps"],
+             best["num_stages"], best["query_group"], ms)  # fmt: skip
+    return winner
+
+
+def forget() -> None:
+    """Drops the in-memory entries (the next lookup reads the file again); for tests."""
+    global _entries
+    with _lock:
+        _entries = None

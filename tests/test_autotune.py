@@ -1,0 +1,155 @@
+"""Call-time autotune of forward keys without a committed entry (lik.runtime.autotune).
+
+Sweeps run on CUDA only; here the interpreter stands in (autotune.applies is told the
+call is on a GPU), with a two-config grid so that each sweep stays short.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from lik.runtime import autotune, dispatch, maxsim
+from lik.runtime.reference import maxsim_reference
+
+pytestmark = pytest.mark.skipif(
+    dispatch.backend(torch.device("cpu")) == "reference", reason="no Triton path on this machine"
+)
+REAL_APPLIES = autotune.applies
+
+
+@pytest.fixture
+def tuner(monkeypatch, tmp_path):
+    """A process with no configs looked up yet, an empty cache dir, CPU calls treated as
+    GPU calls, and grids of the default plus one narrower doc tile."""
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LIK_AUTOTUNE", raising=False)
+    monkeypatch.setattr(dispatch, "_configs", {})
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(autotune, "applies",
+                        lambda key, device: REAL_APPLIES(key, torch.device("cuda")))  # fmt: skip
+    monkeypatch.setattr(autotune, "candidates", lambda base, lq, max_query_group: [
+        base, {**base, "block_l": 16}])  # fmt: skip
+    autotune.forget()
+    yield tmp_path / autotune.CACHE_FILE
+    autotune.forget()
+
+
+def _call(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Q, D = torch.randn(3, 7, 48, generator=g), torch.randn(5, 37, 48, generator=g)
+    out = maxsim(Q, D)
+    torch.testing.assert_close(out.double(), maxsim_reference(Q.double(), D.double()),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    return out
+
+
+def _launched_block_l() -> set[int]:
+    return {config.block_l for config in dispatch._call_configs.values()}
+
+
+def test_a_key_without_an_entry_sweeps_once_and_later_processes_read_the_cache(tuner):
+    before = autotune.sweeps
+    _call()
+    assert autotune.sweeps == before + 1
+    entries = json.loads(tuner.read_text())["entries"]
+    ((name, entry),) = entries.items()
+    assert "maxsim_dense_nomask_fp32_triton|64|16|s|q4" in name  # card|table key|kernel|triton
+    assert entry["block_l"] in (16, 32) and entry["shape"].startswith("call-time sweep")
+    assert _launched_block_l() == {entry["block_l"]}  # the call launched the winner
+
+    _call(seed=1)  # the same key again: no second sweep
+    assert autotune.sweeps == before + 1
+
+    # A new process: nothing in memory, the file read back, still no sweep.
+    autotune.forget()
+    dispatch._configs.clear()
+    dispatch._call_configs.clear()
+    _call(seed=2)
+    assert autotune.sweeps == before + 1
+    assert _launched_block_l() == {entry["block_l"]}
+
+
+def test_committed_keys_captured_calls_and_switched_off_calls_never_sweep(tuner, monkeypatch):
+    before = autotune.sweeps
+    with monkeypatch.context() as patch:
+        patch.setattr(dispatch, "committed_source", lambda key: ("hopper.toml", key.table_key()))
+        _call()
+    with monkeypatch.context() as patch:
+        patch.setattr(autotune, "capturing", lambda device: True)
+        dispatch._call_configs.clear()
+        _call()
+    with monkeypatch.context() as patch:
+        patch.setenv("LIK_AUTOTUNE", "0")
+        dispatch._configs.clear()
+        dispatch._call_configs.clear()
+        _call()
+    assert autotune.sweeps == before
+    assert not tuner.exists()
+
+
+def test_an_unreadable_cache_is_set_aside_and_rewritten(tuner, caplog):
+    tuner.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="lik.autotune"):
+        _call()
+    assert "ignoring unreadable autotune cache" in caplog.text
+    data = json.loads(tuner.read_text())
+    assert data["format"] == autotune.CACHE_FORMAT and len(data["entries"]) == 1
+
+
+def test_an_unwritable_cache_keeps_the_winner_for_the_process(tuner, monkeypatch, caplog):
+    blocker = tuner.parent / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("LIK_CACHE_DIR", str(blocker))  # a file where the folder should be
+    before = autotune.sweeps
+    with caplog.at_level(logging.WARNING, logger="lik.autotune"):
+        _call()
+        dispatch._call_configs.clear()
+        _call(seed=1)
+    assert "not written" in caplog.text
+    assert autotune.sweeps == before + 1
+
+
+def test_the_grid_is_the_default_and_its_neighbours():
+    base = {"block_l": 64, "num_warps": 4, "num_stages": 3, "block_n": 8, "query_group": 4}
+    grid = autotune.candidates(base, lq=32, max_query_group=8)
+    assert grid[0] == base and len(grid) == len({json.dumps(e, sort_keys=True) for e in grid})
+    assert {e["block_l"] for e in grid} == {32, 64, 128}
+    assert {e["query_group"] for e in grid} == {4, 8}
+    assert {e["num_stages"] for e in grid} == {2, 3}
+    assert {e["num_warps"] for e in grid if e["query_group"] == 8} == {4, 8}
+    assert len(grid) <= 25
+    # One 32-token query: thin tiles take fewer warps; unpipelined variants stay so.
+    thin = autotune.candidates({**base, "query_group": 1, "num_stages": 1}, lq=32,
+                               max_query_group=1)  # fmt: skip
+    assert {e["num_warps"] for e in thin} == {2, 4} and {e["num_stages"] for e in thin} == {1}
+
+
+def test_a_sweep_keeps_the_fastest_entry_whose_scores_agree(monkeypatch, tmp_path, caplog):
+    import time
+
+    from lik.runtime.keys import KernelKey
+
+    monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))
+    autotune.forget()
+    key = KernelKey("maxsim_dense_nomask_bf16_triton", "hopper", 128, 32, "m", 2, card="GPU")
+    scores = torch.arange(6.0)
+    entries = [{"block_l": b, "num_warps": 4, "num_stages": 3, "query_group": 1, "block_n": 8}
+               for b in (32, 64, 128)]  # fmt: skip
+    naps = {32: 0.02, 64: 0.0, 128: 0.01}  # 64 is the fastest, but its scores are off
+
+    def run(entry):
+        time.sleep(naps[entry["block_l"]])
+        return scores + 1 if entry["block_l"] == 64 else scores
+
+    with caplog.at_level(logging.WARNING, logger="lik.autotune"):
+        winner = autotune.sweep(key, entries, run, torch.device("cpu"), "a test")
+    assert winner["block_l"] == 128 and winner["card"] == "GPU" and winner["shape"] == "a test"
+    assert "left out, its scores differ" in caplog.text
+    assert autotune.cached_entry(key) == winner
+    autotune.forget()
+    assert autotune.cached_entry(key) == winner  # read back from the file
+    autotune.forget()
