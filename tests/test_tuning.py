@@ -543,3 +543,14 @@ def test_a_sweep_checks_each_config_against_the_first_and_records_why_one_is_out
     # Nothing ran: no winner.
     assert tune.sweep([run], [broken], quick=True).winner is None
     assert tune.labeller([first, faster])(faster) == "block_l=128"
+
+
+def test_the_demo_s_gpu_call_has_a_hopper_entry():
+    # lik.demo scores 4 queries against 64 fp16 docs with a doc mask, normalized: on a
+    # Hopper GPU its first call takes a committed config instead of sweeping one.
+    from lik.runtime.keys import KernelKey, variant_name
+    from lik.runtime.tuning import committed_source
+
+    name = variant_name("dense", False, True, True, torch.float16)
+    key = KernelKey(name, "hopper", 128, 32, "s", 4)
+    assert committed_source(key) == ("hopper.toml", key.table_key())
