@@ -75,7 +75,7 @@ def _chunks(lq: int):
     return [(start, min(lq, start + LQ_CHUNK)) for start in range(0, lq, LQ_CHUNK)]
 
 
-_configs: dict[tuple, object] = {}
+_configs: dict[KernelKey, object] = {}  # a key's config, looked up once (_key_config)
 
 # Dense inference kernels can stream a block of docs through each program (see
 # lik_gen.plan.streams_docs). Only docs of at most STREAM_MAX_TILES tiles stream: on an
@@ -283,22 +283,14 @@ def _call_key(name: str, module, Q: torch.Tensor, lq: int, programs: int, kernel
                      size_class(programs), queries, kernel, gpu_card(Q.device))  # fmt: skip
 
 
-def _key_cache_key(name: str, module, Q: torch.Tensor, lq: int, programs: int,
-                   kernel: str) -> tuple:  # fmt: skip
-    queries = query_bucket(Q.shape[0]) if module.LAYOUT == "dense" else 1
-    return (name, Q.device, Q.shape[-1], lq_bucket(lq), size_class(programs), queries, kernel)
-
-
 def _key_config(name: str, module, Q: torch.Tensor, lq: int, programs: int, kernel: str):
     """The config of a call's tuning key (committed entry, autotuned entry or default),
     looked up once per key."""
-    cache_key = _key_cache_key(name, module, Q, lq, programs, kernel)
-    config = _configs.get(cache_key)
+    key = _call_key(name, module, Q, lq, programs, kernel)
+    config = _configs.get(key)
     if config is None:
-        key = _call_key(name, module, Q, lq, programs, kernel)
-        config = _configs.setdefault(
-            cache_key, config_for(key, module.smem_bytes, _autotuned_entry(key, Q.device))
-        )
+        entry = _autotuned_entry(key, Q.device)
+        config = _configs.setdefault(key, config_for(key, module.smem_bytes, entry))
     return config
 
 
@@ -349,8 +341,7 @@ def _autotune(name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: 
     docs_shape = f", D [{docs}, {doc_tokens}, {Q.shape[-1]}]" if docs else ""
     shape = f"call-time sweep: Q {list(Q.shape)}{docs_shape}, {programs} outputs"
     if autotune.sweep(key, entries, lambda entry: run(launched[id(entry)]), Q.device, shape):
-        # The key's config is the winner's from now on.
-        _configs.pop(_key_cache_key(name, module, Q, lq, programs, "fwd"), None)
+        _configs.pop(key, None)  # the key's config is the winner's from now on
 
 
 def stream_config(module, config, once_config, nq: int, nd: int, ld: int, dense_bytes: int,

@@ -184,10 +184,10 @@ def test_distinct_maxima_share_one_kernel_entry():
         cu_q = _offsets([longest, 3])
         Q = torch.randn(longest + 3, 24, device=DEVICE)
         maxsim_varlen(Q, D, cu_q, cu_d)
-    keys = [k for k in dispatch._configs if k[0].startswith("maxsim_varlen")]
+    keys = [k for k in dispatch._configs if k.variant.startswith("maxsim_varlen")]
     assert len(keys) == 1
     if DEVICE == "cuda":  # and Triton compiled the kernel once, not once per length
-        kernel = registry.load(keys[0][0]).maxsim_varlen_nomask_fp32_triton_fwd_kernel
+        kernel = registry.load(keys[0].variant).maxsim_varlen_nomask_fp32_triton_fwd_kernel
         device = torch.cuda.current_device()
         assert len(kernel.device_caches[device][0]) == 1
 
