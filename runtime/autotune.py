@@ -86,10 +86,18 @@ def _loaded() -> dict[str, dict]:
     return _entries
 
 
+FIELDS = ("block_l", "num_warps", "num_stages", "query_group")
+
+
 def cached_entry(key) -> dict | None:
-    """The autotuned entry of a key on its card (None if it has none yet)."""
+    """The autotuned entry of a key on its card (None if it has none yet, or only one
+    that is not a config: the key then sweeps again and replaces it)."""
     with _lock:
-        return _loaded().get(cache_key(key))
+        entry = _loaded().get(cache_key(key))
+    valid = isinstance(entry, dict) and all(
+        isinstance(entry.get(field), int) and entry[field] > 0 for field in FIELDS
+    )
+    return entry if valid else None
 
 
 def _store(name: str, entry: dict) -> None:
@@ -112,7 +120,7 @@ def _store(name: str, entry: dict) -> None:
 def candidates(base: dict, *, lq: int, max_query_group: int) -> list[dict]:
     """The configs a sweep times: the default `base` and its neighbours (half and twice
     its doc tile, two warp counts, 2 or 3 stages, its query stacking and the most the key
-    allows). Two dozen at most, so that the one-time stall (each candidate compiles) stays
+    allows). About two dozen, so that the one-time stall (each candidate compiles) stays
     in seconds; `make tune`'s grid is wider."""
     tiles = sorted({max(16, base["block_l"] // 2), base["block_l"], min(256, base["block_l"] * 2)})
     # Unpipelined variants (residual decoding) stay unpipelined.
@@ -158,8 +166,8 @@ def sweep(key, entries: list[dict], run, device: torch.device, shape: str) -> di
             if reference is None:
                 reference = out
             elif not torch.allclose(out, reference, rtol=1e-3, atol=1e-3, equal_nan=True):
-                log.warning("autotune %s: %s left out, its scores differ from %s's",
-                            key.table_key(), entry, entries[0])  # fmt: skip
+                log.warning("autotune %s: %s left out, its scores differ from the first "
+                            "config's that ran", key.table_key(), entry)  # fmt: skip
                 continue
             times.append((_time_ms(lambda e=entry: run(e), device), entry))
         except Exception as error:  # a config this GPU cannot run (resources, compile)

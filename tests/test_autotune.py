@@ -153,3 +153,18 @@ def test_a_sweep_keeps_the_fastest_entry_whose_scores_agree(monkeypatch, tmp_pat
     autotune.forget()
     assert autotune.cached_entry(key) == winner  # read back from the file
     autotune.forget()
+
+
+def test_a_cached_entry_that_is_not_a_config_is_swept_again(tuner):
+    _call()
+    data = json.loads(tuner.read_text())
+    (name,) = data["entries"]
+    data["entries"][name] = {"block_l": "64", "num_warps": 4}  # edited by hand, wrongly
+    tuner.write_text(json.dumps(data))
+    autotune.forget()
+    dispatch._configs.clear()
+    dispatch._call_configs.clear()
+    before = autotune.sweeps
+    _call(seed=1)
+    assert autotune.sweeps == before + 1
+    assert isinstance(json.loads(tuner.read_text())["entries"][name]["block_l"], int)
