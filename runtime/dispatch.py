@@ -289,13 +289,14 @@ def _key_config(name: str, module, Q: torch.Tensor, lq: int, programs: int, kern
     key = _call_key(name, module, Q, lq, programs, kernel)
     config = _configs.get(key)
     if config is None:
-        entry = _autotuned_entry(key, Q.device)
+        entry = autotuned_entry(key, Q.device)
         config = _configs.setdefault(key, config_for(key, module.smem_bytes, entry))
     return config
 
 
-def _autotuned_entry(key: KernelKey, device: torch.device) -> dict | None:
-    """A key's autotuned entry, where it has no committed one and autotune applies."""
+def autotuned_entry(key: KernelKey, device: torch.device) -> dict | None:
+    """A key's autotuned entry, where it has no committed one and autotune applies (a call
+    on `device`; lik explain asks as for a CUDA call)."""
     if not autotune.applies(key, device) or committed_source(key) is not None:
         return None
     return autotune.cached_entry(key)
@@ -490,20 +491,15 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
     per_token = {key: value for key, value in per_token.items() if value is not None}
     sizes = {"docs": docs, "doc_tokens": doc_tokens, "adjust": adjust}
     if lq <= LQ_CHUNK:  # one launch, no slicing: the common case (this runs every call)
-        return _launch_chunk(name, module, out, Q, shared, per_token, **sizes)
+        return launch_keyed(name, module, Q, lq, out, Q=Q, **shared, **per_token, **sizes)
     for start, stop in _chunks(lq):
         sliced = {k: v[..., start:stop] for k, v in per_token.items()}
         target = out if start == 0 else torch.empty_like(out)
-        _launch_chunk(name, module, target, Q[:, start:stop], shared, sliced, **sizes)
+        chunk = Q[:, start:stop]
+        launch_keyed(name, module, chunk, stop - start, target, Q=chunk, **shared, **sliced,
+                     **sizes)  # fmt: skip
         if start > 0:
             out += target
-    return out
-
-
-def _launch_chunk(name, module, out, Q, shared, per_token, *, docs, doc_tokens, adjust):
-    """One launch of variant `name` into out, with the config its key (and adjust) gives."""
-    launch_keyed(name, module, Q, Q.shape[1], out, Q=Q, **shared, **per_token, docs=docs,
-                 doc_tokens=doc_tokens, adjust=adjust)  # fmt: skip
     return out
 
 
@@ -512,7 +508,7 @@ def launch_keyed(name, module, queries, lq, out, *args, docs=0, doc_tokens=0, ad
     """Launches variant `name` (module) into out with its call's config: the key of its
     queries [N, Lq, d] (lq tokens bucketed) and out.numel() outputs, its committed or
     autotuned entry (autotuned here on a key's first call where it has neither), shaped
-    for docs x doc_tokens and by adjust. args and kwargs go to module.launch."""
+    for docs x doc_tokens and by adjust. args and kwargs go to module.launch. Returns out."""
 
     def run(config):
         module.launch(out, *args, config=adjust(config) if adjust else config, **kwargs)
@@ -522,7 +518,8 @@ def launch_keyed(name, module, queries, lq, out, *args, docs=0, doc_tokens=0, ad
                      run=run)  # fmt: skip
     if adjust is not None:
         config = adjust(config)
-    return _launch(module.launch, config, out, *args, **kwargs)
+    _launch(module.launch, config, out, *args, **kwargs)
+    return out
 
 
 def backward(

@@ -70,11 +70,8 @@ def explain_forward(
                        q_mask=q_mask, d_mask=d_mask)  # fmt: skip
     module = registry.load(key.variant)
     once_key = dataclasses.replace(key, kernel="once")
-    source = committed_source(key)
     # A key without an entry takes the one its first CUDA call on this card autotuned.
-    tuned = None
-    if source is None and key.card and autotune.applies(key, torch.device("cuda")):
-        tuned = autotune.cached_entry(key)
+    tuned = dispatch.autotuned_entry(key, torch.device("cuda"))
     key_config = config_for(key, module.smem_bytes, tuned)
     config = dispatch.stream_config(
         module, key_config, lambda: config_for(once_key, module.smem_bytes),
@@ -84,7 +81,7 @@ def explain_forward(
         shape=(nq, nd, lq, ld, d),
         dtype=dtype,
         key=key,
-        source=source,
+        source=committed_source(key),
         once_source=committed_source(once_key),
         masks=", ".join(name for name, on in (("q_mask", q_mask), ("d_mask", d_mask)) if on),
         autotuned=tuned is not None,
