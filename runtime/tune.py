@@ -68,7 +68,9 @@ SHAPES = [
     ("train-colpali-32", 32, 32, 128, 1024, 128),
     # A batched rerank (8 queries' candidates in one call), whose key no suite shape has:
     # on the default config (4 queries stacked) it ran 14% slower than on its tuned one
-    # (H200, 0.112 against 0.096 ms; H100 tuned 0.097).
+    # (H200, 0.112 against 0.096 ms, benchmarks/results/tune_rerank8q_H200.log; H100 tuned
+    # 0.097; through lik.maxsim in one run each, 0.115 -> 0.098 ms on an H100 and 0.113 ->
+    # 0.096 on an H200: masked_tiles_H100_H200.md).
     ("rerank-8q", 8, 2000, 32, 300, 128),
 ]
 # (name, Nq, Nd or docs per query (kd), Lq, Ld, d, layout): the training steps of
