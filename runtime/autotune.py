@@ -14,6 +14,7 @@ default); LIK_CACHE_DIR moves the cache file (default ~/.cache/lik).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -21,6 +22,7 @@ import os
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -153,12 +155,44 @@ def _time_ms(run, device: torch.device) -> float:
     return (time.perf_counter() - began) * 1000
 
 
+# Threads that compile a sweep's candidates side by side. Compiling is most of a sweep's
+# stall, and Triton releases the GIL while it compiles.
+COMPILE_THREADS = 8
+
+
+def compile_side_by_side(entries: list[dict], run, device: torch.device) -> None:
+    """Launches every entry once so that their compiles overlap: the first on this thread
+    (it sets up the kernels' per-device state), the rest from a pool of threads on this
+    thread's CUDA device and stream, so that the launches keep the call's stream order. A
+    failing entry is left for the timed loop to report."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def launch(entry):
+        try:
+            with contextlib.ExitStack() as on_call_stream:
+                if stream is not None:
+                    on_call_stream.enter_context(torch.cuda.device(device))
+                    on_call_stream.enter_context(torch.cuda.stream(stream))
+                run(entry)
+        except Exception:
+            pass
+
+    launch(entries[0])
+    workers = min(COMPILE_THREADS, os.cpu_count() or 1, len(entries) - 1)
+    if workers > 0:
+        with ThreadPoolExecutor(workers, thread_name_prefix="lik-autotune") as pool:
+            list(pool.map(launch, entries[1:]))
+
+
 def sweep(key, entries: list[dict], run, device: torch.device, shape: str) -> dict | None:
     """Times run(entry) -> the call's output for each entry, stores the fastest under the
     key and returns it; None (nothing stored) where no entry ran. Every launch writes the
     call's whole output; one that disagrees with the first entry's is left out."""
     global sweeps
     began = time.perf_counter()
+    if device.type == "cuda":
+        compile_side_by_side(entries, run, device)
+    compiled = time.perf_counter() - began
     times, reference = [], None
     for entry in entries:
         try:
@@ -179,10 +213,10 @@ def sweep(key, entries: list[dict], run, device: torch.device, shape: str) -> di
     with _lock:
         sweeps += 1
         _store(cache_key(key), winner)
-    log.info("autotuned %s on %s in %.1f s (%d configs): block_l=%d num_warps=%d "
-             "num_stages=%d query_group=%d, %.4f ms", key.table_key(), key.card,
-             time.perf_counter() - began, len(entries), best["block_l"], best["num_warps"],
-             best["num_stages"], best["query_group"], ms)  # fmt: skip
+    log.info("autotuned %s on %s in %.1f s (%d configs, compiled in %.1f s): block_l=%d "
+             "num_warps=%d num_stages=%d query_group=%d, %.4f ms", key.table_key(), key.card,
+             time.perf_counter() - began, len(entries), compiled, best["block_l"],
+             best["num_warps"], best["num_stages"], best["query_group"], ms)  # fmt: skip
     return winner
 
 

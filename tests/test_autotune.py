@@ -168,3 +168,20 @@ def test_a_cached_entry_that_is_not_a_config_is_swept_again(tuner):
     _call(seed=1)
     assert autotune.sweeps == before + 1
     assert isinstance(json.loads(tuner.read_text())["entries"][name]["block_l"], int)
+
+
+def test_a_sweeps_candidates_compile_side_by_side_each_launched_once():
+    import threading
+
+    entries = [{"block_l": block_l} for block_l in (16, 32, 64, 128, 256)]
+    launched = []
+
+    def run(entry):
+        launched.append((entry["block_l"], threading.current_thread() is threading.main_thread()))
+        if entry["block_l"] == 64:
+            raise RuntimeError("out of resources")  # left for the timed loop to report
+
+    autotune.compile_side_by_side(entries, run, torch.device("cpu"))
+    assert launched[0] == (16, True)  # the first on the calling thread, before any other
+    assert sorted(block_l for block_l, _ in launched) == [16, 32, 64, 128, 256]
+    assert not any(main for _, main in launched[1:])  # the rest from the pool
