@@ -1,11 +1,13 @@
-"""Call-time autotune for forward keys that no committed table covers, cached on disk.
+"""Call-time autotune for keys that no committed table covers, cached on disk.
 
-A CUDA call whose forward key has no committed entry (its own, its card's, its unmasked
-twin's: lik.runtime.tuning.committed_source) times a small grid of launch configs around
-the heuristic default on the call's own inputs, once, and keeps the fastest: in memory for
-the process and in a JSON file that later processes read, so each (card, key, kernel)
-sweeps once per machine. Committed keys never sweep (the suite's shapes all have entries:
-tests/test_tuning.py), nor do backward keys, calls being captured into a CUDA graph, or
+A CUDA call whose forward or backward key has no committed entry (its own, its card's, its
+unmasked twin's: lik.runtime.tuning.committed_source) times a small grid of launch configs
+around the heuristic default on the call's own inputs, once, and keeps the fastest: in
+memory for the process and in a JSON file that later processes read, so each (card, key,
+kernel) sweeps once per machine. A backward (several launches and their allocations) is
+timed as CUDA-graph replays, as `make tune` times it. Committed keys never sweep (the
+suite's shapes all have entries: tests/test_tuning.py), nor do "once" keys (their tile
+and warps come with a forward key's sweep), calls being captured into a CUDA graph, or
 calls under the interpreter.
 
 LIK_AUTOTUNE=0 turns the sweep off (keys without entries then launch the heuristic
@@ -41,8 +43,9 @@ sweeps = 0  # sweeps run in this process (benchmarks check that the suite runs n
 
 
 def applies(key, device: torch.device) -> bool:
-    """Whether a call's key may take an autotuned entry: a CUDA forward key, autotune on."""
-    return (device.type == "cuda" and key.kernel == "fwd"
+    """Whether a call's key may take an autotuned entry: a CUDA forward or backward key,
+    autotune on."""
+    return (device.type == "cuda" and key.kernel in ("fwd", "bwd")
             and os.environ.get("LIK_AUTOTUNE", "1") != "0")  # fmt: skip
 
 
@@ -119,14 +122,19 @@ def _store(name: str, entry: dict) -> None:
         log.warning("autotune cache %s not written (%s); kept for this process", path, error)
 
 
-def candidates(base: dict, *, lq: int, max_query_group: int) -> list[dict]:
+def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> list[dict]:
     """The configs a sweep times: the default `base` and its neighbours (half and twice
     its doc tile, two warp counts, 2 or 3 stages, its query stacking and the most the key
-    allows). About two dozen, so that the one-time stall (each candidate compiles) stays
-    in seconds; `make tune`'s grid is wider."""
+    allows; a backward's 1 to 3 stages). About two dozen, so that the one-time stall (each
+    candidate compiles) stays in seconds; `make tune`'s grid is wider."""
     tiles = sorted({max(16, base["block_l"] // 2), base["block_l"], min(256, base["block_l"] * 2)})
-    # Unpipelined variants (residual decoding) stay unpipelined.
-    stages = (1,) if base["num_stages"] == 1 else (2, 3)
+    if backward:
+        # grad_D's tiles are gathered rows: its tuned entries are unpipelined or 2 stages.
+        stages = (1, 2, 3)
+    elif base["num_stages"] == 1:  # unpipelined variants (residual decoding) stay so
+        stages = (1,)
+    else:
+        stages = (2, 3)
     groups = sorted({base["query_group"], max_query_group})
     found = [base]
     for group in groups:
@@ -140,15 +148,18 @@ def candidates(base: dict, *, lq: int, max_query_group: int) -> list[dict]:
     return found
 
 
-def _time_ms(run, device: torch.device) -> float:
+def _time_ms(run, device: torch.device, graph: bool = False) -> float:
     """Median ms of run() as make tune's quick sweep times it (triton's do_bench, L2
     emptied before each launch: timed back to back, small calls' docs stay in L2 and the
     winner can be the slower one once they do not; H100, 4 x 300 docs at Lq 64: a config
-    timed 18.9 us hot read 42 under do_bench against the default's 22.5). perf_counter
-    off CUDA (tests on the CPU)."""
+    timed 18.9 us hot read 42 under do_bench against the default's 22.5). graph: replays
+    of a CUDA graph of run(), whose host work (several launches) would otherwise hide the
+    configs' differences. perf_counter off CUDA (tests on the CPU)."""
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if graph:
+            return do_bench_cudagraph(run, rep=40, return_mode="median")
         return do_bench(run, warmup=10, rep=40, return_mode="median")
     began = time.perf_counter()
     run()
@@ -184,10 +195,32 @@ def compile_side_by_side(entries: list[dict], run, device: torch.device) -> None
             list(pool.map(launch, entries[1:]))
 
 
-def sweep(key, entries: list[dict], run, device: torch.device, shape: str) -> dict | None:
-    """Times run(entry) -> the call's output for each entry, stores the fastest under the
-    key and returns it; None (nothing stored) where no entry ran. Every launch writes the
-    call's whole output; one that disagrees with the first entry's is left out."""
+def _outputs(result) -> tuple[torch.Tensor, ...]:
+    """A run's outputs (a tensor, or a backward's gradients), copied."""
+    return tuple(t.clone() for t in (result if isinstance(result, tuple) else (result,)))
+
+
+def _eps(tensor: torch.Tensor) -> float:
+    return torch.finfo(tensor.dtype).eps if tensor.is_floating_point() else 0.0
+
+
+def _agree(outputs, reference) -> bool:
+    """Outputs within 1e-3 of the reference's, or two units in the last place of a 16-bit
+    gradient (another grad_D tile sums its rows in other groups)."""
+    return all(
+        torch.allclose(
+            o.float(), r.float(), rtol=max(1e-3, 2 * _eps(r)), atol=1e-3, equal_nan=True
+        )  # fmt: skip
+        for o, r in zip(outputs, reference, strict=True)
+    )
+
+
+def sweep(key, entries: list[dict], run, device: torch.device, shape: str,
+          graph: bool = False) -> dict | None:  # fmt: skip
+    """Times run(entry) -> the call's output(s) for each entry, stores the fastest under
+    the key and returns it; None (nothing stored) where no entry ran. Every launch writes
+    the call's whole output; one that disagrees with the first entry's is left out.
+    graph: time CUDA-graph replays (_time_ms)."""
     global sweeps
     began = time.perf_counter()
     if device.type == "cuda":
@@ -196,14 +229,14 @@ def sweep(key, entries: list[dict], run, device: torch.device, shape: str) -> di
     times, reference = [], None
     for entry in entries:
         try:
-            out = run(entry).clone()  # compiles: not timed
+            outputs = _outputs(run(entry))  # compiled by now: not timed
             if reference is None:
-                reference = out
-            elif not torch.allclose(out, reference, rtol=1e-3, atol=1e-3, equal_nan=True):
-                log.warning("autotune %s: %s left out, its scores differ from the first "
+                reference = outputs
+            elif not _agree(outputs, reference):
+                log.warning("autotune %s: %s left out, its outputs differ from the first "
                             "config's that ran", key.table_key(), entry)  # fmt: skip
                 continue
-            times.append((_time_ms(lambda e=entry: run(e), device), entry))
+            times.append((_time_ms(lambda e=entry: run(e), device, graph), entry))
         except Exception as error:  # a config this GPU cannot run (resources, compile)
             log.debug("autotune %s: %s failed: %s", key.table_key(), entry, error)
     if not times:

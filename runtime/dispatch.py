@@ -319,29 +319,33 @@ def _keyed_config(
 
 
 def _autotune(name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int,
-              doc_tokens: int, run) -> None:  # fmt: skip
-    """Sweeps the call's forward key, once, where no table and no earlier sweep covers it
-    (lik.runtime.autotune): each candidate entry is shaped into a launch config as the
-    call would shape the key's entry, configs that shape alike are timed once, and
-    run(config) launches the call with it and returns its output."""
-    key = _call_key(name, module, Q, lq, programs, "fwd")
+              doc_tokens: int, kernel: str, run) -> None:  # fmt: skip
+    """Sweeps the call's `kernel` key ("fwd" or "bwd"), once, where no table and no
+    earlier sweep covers it (lik.runtime.autotune): each candidate entry is shaped into a
+    launch config as the call would shape the key's entry, configs that shape alike are
+    timed once, and run(config) launches the call with it and returns its output(s)."""
+    key = _call_key(name, module, Q, lq, programs, kernel)
     if not autotune.applies(key, Q.device) or autotune.capturing(Q.device):
         return
     if committed_source(key) is not None or autotune.cached_entry(key) is not None:
         return
     base = default_config(key)
-    stackable = min(key.queries, 2 * STACKED_ROWS // key.lq)
+    backward = kernel == "bwd"
+    # Queries stack in forward tiles only; a backward keeps the key's default.
+    stackable = base["query_group"] if backward else min(key.queries, 2 * STACKED_ROWS // key.lq)
     entries, launched = [], {}
-    for entry in autotune.candidates(base, lq=key.lq, max_query_group=max(1, stackable)):
+    for entry in autotune.candidates(base, lq=key.lq, max_query_group=max(1, stackable),
+                                     backward=backward):  # fmt: skip
         key_config = config_for(key, module.smem_bytes, entry)
-        config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, "fwd",
+        config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, kernel,
                                key_config)  # fmt: skip
         if config not in launched.values():
             entries.append(entry)
             launched[id(entry)] = config
     docs_shape = f", D [{docs}, {doc_tokens}, {Q.shape[-1]}]" if docs else ""
     shape = f"call-time sweep: Q {list(Q.shape)}{docs_shape}, {programs} outputs"
-    if autotune.sweep(key, entries, lambda entry: run(launched[id(entry)]), Q.device, shape):
+    if autotune.sweep(key, entries, lambda entry: run(launched[id(entry)]), Q.device, shape,
+                      graph=backward):  # fmt: skip
         _configs.pop(key, None)  # the key's config is the winner's from now on
 
 
@@ -383,8 +387,8 @@ def _config(
     kernel="fwd", run=None,
 ):  # fmt: skip
     """The launch config of a call (see _keyed_config), remembered per call shape.
-    kernel: "fwd", or "bwd" for a training variant's backward kernels. run(config) -> out,
-    where given, launches the call: a forward key without an entry is autotuned with it."""
+    kernel: "fwd", or "bwd" for a training variant's backward kernels. run(config) -> its
+    output(s), where given, launches the call: a key without an entry is autotuned with it."""
     call = (name, Q.get_device(), Q.shape[0], Q.shape[-1], lq, programs, docs, doc_tokens,
             kernel)  # fmt: skip
     config = _call_configs.get(call)
@@ -392,7 +396,7 @@ def _config(
         if len(_call_configs) >= CALL_CONFIG_CACHE_SIZE:
             _call_configs.clear()
         if run is not None:
-            _autotune(name, module, Q, lq, programs, docs, doc_tokens, run)
+            _autotune(name, module, Q, lq, programs, docs, doc_tokens, kernel, run)
         config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, kernel)
         _call_configs[call] = config
     return config
@@ -545,12 +549,15 @@ def backward(
     module = registry.load(name)
     grad_q_chunks, grad_d = [], None
     for start, stop in _chunks(lq):
-        config = _config(name, module, Q, stop - start, grad_out.numel(), kernel="bwd")
-        if stop - start == lq:
-            (gq, gd), _ = _launch(module.backward, config, grad_out, argmax, Q, D)
-        else:
-            chunk_q, chunk_argmax = Q[:, start:stop], argmax[..., start:stop]
-            (gq, gd), _ = _launch(module.backward, config, grad_out, chunk_argmax, chunk_q, D)
+        whole = stop - start == lq
+        chunk_q = Q if whole else Q[:, start:stop]
+        chunk_argmax = argmax if whole else argmax[..., start:stop]
+
+        def run(config, chunk_q=chunk_q, chunk_argmax=chunk_argmax):
+            return module.backward(grad_out, chunk_argmax, chunk_q, D, config=config)
+
+        config = _config(name, module, Q, stop - start, grad_out.numel(), kernel="bwd", run=run)
+        (gq, gd), _ = _launch(module.backward, config, grad_out, chunk_argmax, chunk_q, D)
         grad_q_chunks.append(gq)
         grad_d = gd if grad_d is None else grad_d + gd
     grad_q = grad_q_chunks[0] if len(grad_q_chunks) == 1 else torch.cat(grad_q_chunks, dim=1)
@@ -601,7 +608,12 @@ def backward_ragged(
         return torch.zeros_like(Q), torch.zeros_like(D)
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
-    config = _config(name, module, Q, max_seqlen_q, grad_out.numel(), kernel="bwd")
+
+    def run(config):
+        return module.backward(grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q,
+                               config=config)  # fmt: skip
+
+    config = _config(name, module, Q, max_seqlen_q, grad_out.numel(), kernel="bwd", run=run)
     grads, _ = _launch(
         module.backward, config, grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q
     )

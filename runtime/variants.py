@@ -101,9 +101,15 @@ def _backward(call: _Call, grad_out, saved, Q, D, W, q_mask, d_mask):
         return (*grads, None if W is None else torch.zeros_like(W))
     name = _name(call, Q, q_mask is not None, d_mask is not None, "lowmem")
     module = registry.load(name)
-    config = dispatch._config(name, module, Q, Q.shape[1], grad_out.numel(), kernel="bwd")
-    grads, _ = dispatch._launch(module.backward, config, grad_out.contiguous(), saved, Q, D,
-                                **_tensors(W, q_mask, d_mask), **_score_keywords(call))  # fmt: skip
+    grad_out = grad_out.contiguous()
+    arguments = {**_tensors(W, q_mask, d_mask), **_score_keywords(call)}
+
+    def run(config):
+        return module.backward(grad_out, saved, Q, D, **arguments, config=config)
+
+    config = dispatch._config(name, module, Q, Q.shape[1], grad_out.numel(), kernel="bwd",
+                              run=run)  # fmt: skip
+    grads, _ = dispatch._launch(module.backward, config, grad_out, saved, Q, D, **arguments)
     return grads if W is not None else (*grads, None)
 
 

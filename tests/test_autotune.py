@@ -31,7 +31,7 @@ def tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "_call_configs", {})
     monkeypatch.setattr(autotune, "applies",
                         lambda key, device: REAL_APPLIES(key, torch.device("cuda")))  # fmt: skip
-    monkeypatch.setattr(autotune, "candidates", lambda base, lq, max_query_group: [
+    monkeypatch.setattr(autotune, "candidates", lambda base, lq, max_query_group, backward=False: [
         base, {**base, "block_l": 16}])  # fmt: skip
     autotune.forget()
     yield tmp_path / autotune.CACHE_FILE
@@ -126,6 +126,31 @@ def test_the_grid_is_the_default_and_its_neighbours():
     thin = autotune.candidates({**base, "query_group": 1, "num_stages": 1}, lq=32,
                                max_query_group=1)  # fmt: skip
     assert {e["num_warps"] for e in thin} == {2, 4} and {e["num_stages"] for e in thin} == {1}
+    # A backward: 1 to 3 stages (its tuned entries are unpipelined or 2), queries as given.
+    backward = autotune.candidates(base, lq=32, max_query_group=4, backward=True)
+    assert {e["num_stages"] for e in backward} == {1, 2, 3}
+    assert {e["query_group"] for e in backward} == {4} and len(backward) <= 25
+
+
+def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner):
+    g = torch.Generator().manual_seed(3)
+    Q, D = torch.randn(3, 7, 48, generator=g), torch.randn(5, 37, 48, generator=g)
+    weights = torch.randn(3, 5, generator=g)
+
+    def grads(score):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        (score(Qg, Dg) * weights).sum().backward()
+        return Qg.grad, Dg.grad
+
+    reference = grads(lambda q, d: maxsim_reference(q.double(), d.double()).float())
+    before = autotune.sweeps
+    for _ in range(2):  # the second call reads both winners: no sweep
+        trained = grads(lambda q, d: maxsim(q, d, backward="lowmem"))
+        for got, want in zip(trained, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert autotune.sweeps == before + 2
+    names = list(json.loads(tuner.read_text())["entries"])
+    assert len(names) == 2 and sum("_lowmem|64|16|s|q4|bwd|" in name for name in names) == 1
 
 
 def test_a_sweep_keeps_the_fastest_entry_whose_scores_agree(monkeypatch, tmp_path, caplog):
@@ -148,7 +173,7 @@ def test_a_sweep_keeps_the_fastest_entry_whose_scores_agree(monkeypatch, tmp_pat
     with caplog.at_level(logging.WARNING, logger="lik.autotune"):
         winner = autotune.sweep(key, entries, run, torch.device("cpu"), "a test")
     assert winner["block_l"] == 128 and winner["card"] == "GPU" and winner["shape"] == "a test"
-    assert "left out, its scores differ" in caplog.text
+    assert "left out, its outputs differ" in caplog.text
     assert autotune.cached_entry(key) == winner
     autotune.forget()
     assert autotune.cached_entry(key) == winner  # read back from the file

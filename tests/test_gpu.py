@@ -118,6 +118,37 @@ def test_gpu_a_key_without_an_entry_sweeps_once_then_launches_its_winner(autotun
     assert torch.equal(maxsim(Q, D), out) and autotune_on.sweeps == before + 1
 
 
+def test_gpu_a_training_key_without_an_entry_sweeps_its_backward_once(autotune_on):
+    from lik.runtime import maxsim
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    # 64-token queries: no committed Hopper entry, forward or backward, has that bucket.
+    Q = torch.randn(16, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    D = torch.randn(48, 200, 128, device="cuda", generator=g).to(torch.bfloat16)
+    weights = torch.randn(16, 48, device="cuda", generator=g)
+
+    def grads(score):
+        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        (score(Qg, Dg) * weights).sum().backward()
+        return Qg.grad, Dg.grad
+
+    want = grads(lambda q, d: maxsim_reference(q.double(), d.double()).float())
+    before = autotune_on.sweeps
+    first = grads(lambda q, d: maxsim(q, d, backward="lowmem"))
+    assert autotune_on.sweeps == before + 2  # the forward key and the backward key
+    for got, ref in zip(first, want, strict=True):
+        assert relative_error(got, ref) <= 2e-2
+    name = "maxsim_dense_nomask_bf16_triton_lowmem"
+    key = dispatch._call_key(name, registry.load(name), Q, 64, 16 * 48, "bwd")
+    entry = autotune_on.cached_entry(key)
+    launched = dispatch._configs[key]  # the backward's config: the winner's
+    assert (launched.block_l, launched.num_warps, launched.num_stages) == (
+        entry["block_l"], entry["num_warps"], entry["num_stages"])  # fmt: skip
+    again = grads(lambda q, d: maxsim(q, d, backward="lowmem"))
+    assert autotune_on.sweeps == before + 2
+    assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))  # repeatable
+
+
 def test_gpu_no_suite_shape_sweeps_at_call_time(autotune_on):
     # A key does not depend on Ld: each suite shape's key, called with 16-token docs.
     from lik.runtime import maxsim, tune
@@ -127,5 +158,11 @@ def test_gpu_no_suite_shape_sweeps_at_call_time(autotune_on):
         Q = torch.randn(nq, lq, d, device="cuda").to(torch.bfloat16)
         D = torch.randn(nd, 16, d, device="cuda").to(torch.bfloat16)
         maxsim(Q, D)
+    # The training steps, forward and backward, as bench_train.py's lik-auto takes them.
+    for _, nq, nd, lq, _, d, layout in tune.TRAIN_SHAPES:
+        Q = torch.randn(nq, lq, d, device="cuda").to(torch.bfloat16).requires_grad_()
+        docs = (nq, nd) if layout == "kd" else (nd,)
+        D = torch.randn(*docs, 16, d, device="cuda").to(torch.bfloat16).requires_grad_()
+        maxsim(Q, D, backward="auto").sum().backward()
     torch.cuda.synchronize()
     assert autotune_on.sweeps == before
