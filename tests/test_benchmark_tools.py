@@ -104,3 +104,27 @@ def test_forward_report_has_the_clean_l2_table_for_memory_bound_shapes():
     assert cells[3:6] == ["0.091", "0.095", "0.093"]  # lik, LIK, flash with L2 clean
     assert cells[6] == "95.60%" and cells[8] == "1.02x"  # 0.087 / 0.091; 0.093 / 0.091
     assert bench_forward.clean_l2_table({**report, "shapes": [compute]}) is None
+
+
+def test_autotune_report_names_each_way_s_first_calls_and_the_winners():
+    bench_autotune = pytest.importorskip("bench_autotune")
+    entry = {"block_l": 64, "num_warps": 2, "num_stages": 3, "ms": 0.18}
+    stall = {"first_s": 5.5, "sweeps": 1, "entry": entry, "error": 2e-7}
+    tuned = {"first_s": 3.0, "sweeps": 2, "step_ms": 0.11, "error": 4e-3,
+             "entries": {"x|bwd|h": {**entry, "num_stages": 1}, "x|h": entry}}  # fmt: skip
+    report = {
+        "env": {"date": "today", "commit": "abc", "torch": "2.11", "triton": "3.6"}, "cpus": 16,
+        "gpu": "GPU",
+        "shapes": [{"name": "1 x 10000", "cells": {"one after another": [stall],
+                                                   "side by side": [{**stall, "first_s": 2.9}]}}],
+        "training": [{"name": "kd", "cells": {
+            "defaults (LIK_AUTOTUNE=0)": [{"failed": "OutOfResources"}],
+            "autotuned": [tuned]}}],
+    }  # fmt: skip
+    text = bench_autotune.markdown(report)
+    assert "| 1 x 10000 | 5.5 | 2.9 | 64 tokens, 2 warps, stages 3 (2 of 2)" in text
+    assert "16 CPU cores" in text
+    training = bench_autotune.training_markdown(report)
+    row = next(line for line in training.splitlines() if line.startswith("| kd"))
+    assert "OutOfResources" in row and "0.1100" in row and "3.0 s (2 sweeps)" in row
+    assert "backward 64 tokens, 2 warps, stages 1 (1 of 1)" in row and "4.0e-03" in row
