@@ -167,8 +167,8 @@ def training_markdown(report: dict) -> str:
     rows = []
     for shape in report.get("training", []):
         row = [shape["name"]]
-        for mode in TRAIN_MODES:
-            runs = shape["cells"][mode]
+        for mode in TRAIN_MODES:  # a mode a report lacks (an older run's) stays empty
+            runs = shape["cells"].get(mode) or [{}]
             row.append(_step_times(runs) or runs[0].get("failed", "")[:60])
         tuned = [r for r in shape["cells"]["autotuned"] if "first_s" in r]
         row.append(", ".join(f"{r['first_s']:.1f} s ({r['sweeps']} sweeps)" for r in tuned))

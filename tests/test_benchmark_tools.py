@@ -119,12 +119,13 @@ def test_autotune_report_names_each_way_s_first_calls_and_the_winners():
                                                    "side by side": [{**stall, "first_s": 2.9}]}}],
         "training": [{"name": "kd", "cells": {
             "defaults (LIK_AUTOTUNE=0)": [{"failed": "OutOfResources"}],
-            "autotuned": [tuned]}}],
+            "forward autotuned": [{**tuned, "step_ms": 0.15}], "autotuned": [tuned]}}],
     }  # fmt: skip
     text = bench_autotune.markdown(report)
     assert "| 1 x 10000 | 5.5 | 2.9 | 64 tokens, 2 warps, stages 3 (2 of 2)" in text
     assert "16 CPU cores" in text
     training = bench_autotune.training_markdown(report)
     row = next(line for line in training.splitlines() if line.startswith("| kd"))
-    assert "OutOfResources" in row and "0.1100" in row and "3.0 s (2 sweeps)" in row
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1:5] == ["OutOfResources", "0.1500", "0.1100", "3.0 s (2 sweeps)"]
     assert "backward 64 tokens, 2 warps, stages 1 (1 of 1)" in row and "4.0e-03" in row
