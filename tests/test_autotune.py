@@ -1,4 +1,5 @@
-"""Call-time autotune of forward keys without a committed entry (lik.runtime.autotune).
+"""Call-time autotune of forward and backward keys without a committed entry
+(lik.runtime.autotune).
 
 Sweeps run on CUDA only; here the interpreter stands in (autotune.applies is told the
 call is on a GPU), with a two-config grid so that each sweep stays short.
