@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment_info, gpu_name, gpu_tag, markdown_table, write_json  # noqa: E402
+from common import environment_info, gpu_name, gpu_tag, markdown_table, write_results  # noqa: E402
 
 # (name, layout, Nq, Nd, Lq, Ld): calls whose forward keys have no committed entry.
 SHAPES = [
@@ -225,12 +225,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_autotune needs a CUDA GPU", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
     report = run(args.rounds, args.parts.split(","))
     text = markdown(report) + training_markdown(report)
-    stem = f"autotune_stall_{gpu_tag(report['gpu'])}"
-    write_json(args.out / f"{stem}.json", report)
-    (args.out / f"{stem}.md").write_text(text)
+    write_results(args.out, f"autotune_stall_{gpu_tag(report['gpu'])}", report, text)
     print(text)
     return 0
 

@@ -34,6 +34,13 @@ def assert_close_to_reference(out, ref, dtype, *, interpreter: bool, what: str =
     assert err < bound, f"{what}: relative error {err:.3g} >= {bound:g}"
 
 
+def weighted_gradients(score, Q: torch.Tensor, D: torch.Tensor, weights: torch.Tensor):
+    """(grad Q, grad D) of sum(score(Q, D) * weights), on fresh leaf copies of Q and D."""
+    Qg, Dg = Q.detach().clone().requires_grad_(), D.detach().clone().requires_grad_()
+    (score(Qg, Dg) * weights).sum().backward()
+    return Qg.grad, Dg.grad
+
+
 def random_inputs(shape_q, shape_d, dtype, device="cpu", *, generator=None):
     Q = torch.randn(shape_q, generator=generator).to(device=device, dtype=dtype)
     D = torch.randn(shape_d, generator=generator).to(device=device, dtype=dtype)

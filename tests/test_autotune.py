@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+from helpers import weighted_gradients
 
 from lik.runtime import autotune, dispatch, maxsim
 from lik.runtime.reference import maxsim_reference
@@ -137,16 +138,11 @@ def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner):
     g = torch.Generator().manual_seed(3)
     Q, D = torch.randn(3, 7, 48, generator=g), torch.randn(5, 37, 48, generator=g)
     weights = torch.randn(3, 5, generator=g)
-
-    def grads(score):
-        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-        (score(Qg, Dg) * weights).sum().backward()
-        return Qg.grad, Dg.grad
-
-    reference = grads(lambda q, d: maxsim_reference(q.double(), d.double()).float())
+    reference = weighted_gradients(lambda q, d: maxsim_reference(q.double(), d.double()).float(),
+                                   Q, D, weights)  # fmt: skip
     before = autotune.sweeps
     for _ in range(2):  # the second call reads both winners: no sweep
-        trained = grads(lambda q, d: maxsim(q, d, backward="lowmem"))
+        trained = weighted_gradients(lambda q, d: maxsim(q, d, backward="lowmem"), Q, D, weights)
         for got, want in zip(trained, reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert autotune.sweeps == before + 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TOLERANCE, padded_variant_names, poisoned, relative_error
+from helpers import TOLERANCE, padded_variant_names, poisoned, relative_error, weighted_gradients
 
 from lik.runtime import dispatch, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
@@ -128,9 +128,7 @@ def test_gpu_a_training_key_without_an_entry_sweeps_its_backward_once(autotune_o
     weights = torch.randn(16, 48, device="cuda", generator=g)
 
     def grads(score):
-        Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-        (score(Qg, Dg) * weights).sum().backward()
-        return Qg.grad, Dg.grad
+        return weighted_gradients(score, Q, D, weights)
 
     want = grads(lambda q, d: maxsim_reference(q.double(), d.double()).float())
     before = autotune_on.sweeps
