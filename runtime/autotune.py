@@ -17,10 +17,12 @@ default); LIK_CACHE_DIR moves the cache file (default ~/.cache/lik).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import json
 import logging
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -156,14 +158,54 @@ def _time_ms(run, device: torch.device, graph: bool = False) -> float:
     of a CUDA graph of run(), whose host work (several launches) would otherwise hide the
     configs' differences. perf_counter off CUDA (tests on the CPU)."""
     if device.type == "cuda":
-        from triton.testing import do_bench, do_bench_cudagraph
+        from triton.testing import do_bench
 
         if graph:
-            return do_bench_cudagraph(run, rep=40, return_mode="median")
+            with torch.cuda.device(device):  # the graph's stream on the call's GPU
+                return _graph_ms(run, rep_ms=40)
         return do_bench(run, warmup=10, rep=40, return_mode="median")
     began = time.perf_counter()
     run()
     return (time.perf_counter() - began) * 1000
+
+
+def _graph_ms(run, *, rep_ms: float, replays: int = 10) -> float:
+    """Median ms per call of run(), replayed from a CUDA graph of about rep_ms of calls (as
+    triton's do_bench_cudagraph). Captured thread-locally: a backward sweeps inside the
+    first training step, and a global capture would forbid other threads' CUDA calls
+    meanwhile (a data loader pinning its next batch)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        run()  # warm-up off the capturing thread's current stream, as capture wants
+        start.record()
+        for _ in range(5):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        calls = max(1, int(rep_ms / max(start.elapsed_time(end) / 5, 1e-3)))
+        graph = torch.cuda.CUDAGraph()
+        # A collection during capture could finalize a compiled kernel, whose unloading
+        # is illegal there.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                for _ in range(calls):
+                    run()
+        finally:
+            if collecting:
+                gc.enable()
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    torch.cuda.current_stream().wait_stream(side)
+    return statistics.median(times)
 
 
 # Threads that compile a sweep's candidates side by side. Compiling is most of a sweep's
