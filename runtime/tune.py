@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from lik.runtime import dispatch, registry
+from lik.runtime import autotune, dispatch, registry
 from lik.runtime.keys import (
     LQ_CHUNK,
     KernelKey,
@@ -229,20 +229,11 @@ def train_runs(module, shape):
     return forward, backward
 
 
-def _agreement(dtype: torch.dtype) -> float:
-    """How far two configs' outputs may differ: 1e-3, or two units in the last place of a
-    16-bit output (the dense grad_D sums its rows in tile-sized groups, so another
-    BLOCK_L rounds a few elements to the neighbouring bf16 value)."""
-    if dtype.is_floating_point:
-        return max(1e-3, 2 * torch.finfo(dtype).eps)
-    return 1e-3
-
-
 def time_config(run, config, reference, quick: bool, graph: bool = False,
                 tolerance: float | None = None):  # fmt: skip
     """(median ms, outputs, None) of run(config), or (None, None, why) when it does not
     launch or its outputs disagree with `reference` (the first config's) beyond tolerance
-    (default: _agreement of each output's dtype, 1e-3 absolute). graph: time replays of a
+    (default: autotune.agreement of each output's dtype, 1e-3 absolute). graph: time replays of a
     CUDA graph of the run (GPU time alone), for runs of several launches whose host work
     would otherwise hide the differences between configs."""
     from triton.testing import do_bench, do_bench_cudagraph
@@ -253,7 +244,7 @@ def time_config(run, config, reference, quick: bool, graph: bool = False,
     except Exception as error:  # noqa: BLE001 - a config that does not fit is skipped
         return None, None, f"does not launch: {type(error).__name__}"
     if reference is not None and not all(
-        torch.allclose(o.float(), r.float(), rtol=tolerance or _agreement(r.dtype),
+        torch.allclose(o.float(), r.float(), rtol=tolerance or autotune.agreement(r.dtype),
                        atol=tolerance or 1e-3)  # fmt: skip
         for o, r in zip(outputs, reference, strict=True)
     ):
