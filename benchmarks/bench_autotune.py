@@ -28,7 +28,14 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment_info, gpu_name, gpu_tag, markdown_table, write_results  # noqa: E402
+from common import (  # noqa: E402
+    environment_info,
+    gpu_name,
+    gpu_tag,
+    markdown_table,
+    missing_gpu,
+    write_results,
+)
 
 # (name, layout, Nq, Nd, Lq, Ld): calls whose forward keys have no committed entry.
 SHAPES = [
@@ -220,10 +227,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--parts", default="stall,training", help="stall, training or both")
     args = parser.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("bench_autotune needs a CUDA GPU", file=sys.stderr)
+    if missing_gpu("bench_autotune"):
         return 2
     report = run(args.rounds, args.parts.split(","))
     text = markdown(report) + training_markdown(report)

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     gpu_name,
     gpu_tag,
     markdown_table,
+    missing_gpu,
     write_json,
 )
 
@@ -181,10 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("bench_cold_start needs a CUDA GPU", file=sys.stderr)
+    if missing_gpu("bench_cold_start"):
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     report = run(args.repeats)

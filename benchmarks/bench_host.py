@@ -31,6 +31,7 @@ from common import (  # noqa: E402
     gpu_name,
     gpu_tag,
     markdown_table,
+    missing_gpu,
     normalized_tokens,
     write_results,
 )
@@ -169,8 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_host needs a CUDA GPU", file=sys.stderr)
+    if missing_gpu("bench_host"):
         return 2
     report = run(args.calls)
     text = markdown(report)

@@ -23,6 +23,7 @@ from common import (  # noqa: E402
     gpu_name,
     gpu_tag,
     markdown_table,
+    missing_gpu,
     relative_error,
     write_json,
 )
@@ -155,8 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=5000)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_ragged needs a CUDA GPU", file=sys.stderr)
+    if missing_gpu("bench_ragged"):
         return 2
     timing = TIMING["quick" if args.quick else "full"]
     report = {"env": environment_info(["late-interaction-kernels", "flash-maxsim"]),

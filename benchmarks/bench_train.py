@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     gpu_name,
     gpu_tag,
     markdown_table,
+    missing_gpu,
     normalized_tokens,
     peak_extra_memory_mib,
     relative_error,
@@ -255,8 +256,7 @@ def main(argv=None) -> int:
     if args.render:
         write_report(json.loads(args.render.read_text()), args.out)
         return 0
-    if not torch.cuda.is_available():
-        print("bench_train needs a CUDA GPU", file=sys.stderr)
+    if missing_gpu("bench_train"):
         return 2
     write_report(run(args), args.out)
     return 0

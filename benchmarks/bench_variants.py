@@ -25,6 +25,7 @@ from common import (  # noqa: E402
     gpu_name,
     gpu_tag,
     markdown_table,
+    missing_gpu,
     normalized_tokens,
     peak_extra_memory_mib,
     relative_error,
@@ -205,8 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_variants needs a CUDA GPU", file=sys.stderr)
+    if missing_gpu("bench_variants"):
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     write_report(run(args), args.out)

@@ -15,6 +15,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,6 +260,14 @@ def attempt(fn: Callable[[], object]):
     except Exception as exc:  # noqa: BLE001 - any failure of a baseline is data
         release_cached_memory()
         return None, describe_error(exc)
+
+
+def missing_gpu(benchmark: str) -> bool:
+    """True (and says so on stderr) where no CUDA GPU is here: main() then exits with 2."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{benchmark} needs a CUDA GPU", file=sys.stderr)
+    return True
 
 
 def release_cached_memory() -> None:
