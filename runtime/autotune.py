@@ -162,18 +162,19 @@ def _time_ms(run, device: torch.device, graph: bool = False) -> float:
 
         if graph:
             with torch.cuda.device(device):  # the graph's stream on the call's GPU
-                return _graph_ms(run, rep_ms=40)
+                return graph_ms(run, rep_ms=40)
         return do_bench(run, warmup=10, rep=40, return_mode="median")
     began = time.perf_counter()
     run()
     return (time.perf_counter() - began) * 1000
 
 
-def _graph_ms(run, *, rep_ms: float, replays: int = 10) -> float:
+def graph_ms(run, *, rep_ms: float, replays: int = 10) -> float:
     """Median ms per call of run(), replayed from a CUDA graph of about rep_ms of calls (as
-    triton's do_bench_cudagraph). Captured thread-locally: a backward sweeps inside the
-    first training step, and a global capture would forbid other threads' CUDA calls
-    meanwhile (a data loader pinning its next batch)."""
+    triton's do_bench_cudagraph); the sweep's and `make tune`'s timer of backwards.
+    Captured thread-locally: a backward sweeps inside the first training step, and a
+    global capture would forbid other threads' CUDA calls meanwhile (a data loader
+    pinning its next batch)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

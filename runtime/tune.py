@@ -236,7 +236,7 @@ def time_config(run, config, reference, quick: bool, graph: bool = False,
     (default: autotune.agreement of each output's dtype, 1e-3 absolute). graph: time replays of a
     CUDA graph of the run (GPU time alone), for runs of several launches whose host work
     would otherwise hide the differences between configs."""
-    from triton.testing import do_bench, do_bench_cudagraph
+    from triton.testing import do_bench
 
     try:
         outputs = [t.clone() for t in run(config)]
@@ -250,8 +250,7 @@ def time_config(run, config, reference, quick: bool, graph: bool = False,
     ):
         return None, None, "results differ from the first config's"
     if graph:
-        ms = do_bench_cudagraph(lambda: run(config), rep=40 if quick else 100,
-                                return_mode="median")  # fmt: skip
+        ms = autotune.graph_ms(lambda: run(config), rep_ms=40 if quick else 100)
     else:
         ms = do_bench(lambda: run(config), warmup=10 if quick else 25, rep=40 if quick else 100,
                       return_mode="median")  # fmt: skip

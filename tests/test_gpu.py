@@ -147,6 +147,25 @@ def test_gpu_a_training_key_without_an_entry_sweeps_its_backward_once(autotune_o
     assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))  # repeatable
 
 
+def test_gpu_make_tune_times_a_backward_as_graph_replays():
+    # make tune's backward timing (lik's thread-local graph timer) on a small training step:
+    # a positive time, outputs equal to a plain backward's, a disagreeing reference refused.
+    from lik.runtime import tune
+    from lik.runtime.tuning import config_for
+
+    shape = ("step-small", 8, 24, 32, 100, 128, "dense")
+    _, backward_key = tune.train_keys(shape, tune.gpu_family(torch.device("cuda")))
+    module = registry.load(backward_key.variant)
+    _, backward = tune.train_runs(module, shape)
+    config = config_for(backward_key, module.smem_bytes)
+    plain = [t.clone() for t in backward(config)]
+    ms, outputs, why = tune.time_config(backward, config, plain, quick=True, graph=True)
+    assert why is None and 0 < ms < 10
+    assert all(torch.equal(a, b) for a, b in zip(outputs, plain, strict=True))
+    wrong = [t + 1 for t in plain]
+    assert tune.time_config(backward, config, wrong, quick=True, graph=True)[0] is None
+
+
 def test_gpu_no_suite_shape_sweeps_at_call_time(autotune_on):
     # A key does not depend on Ld: each suite shape's key, called with 16-token docs.
     from lik.runtime import maxsim, tune
