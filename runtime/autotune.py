@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lik.runtime import registry
-from lik.runtime.tuning import THIN_ROWS
+from lik.runtime.tuning import BACKWARD_WARPS, THIN_ROWS
 
 log = logging.getLogger("lik.autotune")
 
@@ -127,8 +127,9 @@ def _store(name: str, entry: dict) -> None:
 def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> list[dict]:
     """The configs a sweep times: the default `base` and its neighbours (half and twice
     its doc tile, two warp counts, 2 or 3 stages, its query stacking and the most the key
-    allows; a backward's 1 to 3 stages). About two dozen, so that the one-time stall (each
-    candidate compiles) stays in seconds; `make tune`'s grid is wider."""
+    allows; a backward's tiles at 1 to 3 stages on one warpgroup). About two dozen forward configs,
+    nine backward ones, so that the one-time stall (each candidate compiles) stays in
+    seconds; `make tune`'s grid is wider."""
     tiles = sorted({max(16, base["block_l"] // 2), base["block_l"], min(256, base["block_l"] * 2)})
     if backward:
         # grad_D's tiles are gathered rows: its tuned entries are unpipelined or 2 stages.
@@ -140,8 +141,12 @@ def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> 
     groups = sorted({base["query_group"], max_query_group})
     found = [base]
     for group in groups:
-        # A tile of one short query is too thin for a warpgroup: fewer warps there.
-        warps = (2, 4) if lq * group <= THIN_ROWS else (4, 8)
+        if backward:  # 2 and 8 warps won none of nine steps' backwards (default_config)
+            warps = (BACKWARD_WARPS,)
+        elif lq * group <= THIN_ROWS:  # one short query's tile is too thin for a warpgroup
+            warps = (2, 4)
+        else:
+            warps = (4, 8)
         for block_l, num_warps, num_stages in itertools.product(tiles, warps, stages):
             entry = {**base, "block_l": block_l, "num_warps": num_warps,
                      "num_stages": num_stages, "query_group": group}  # fmt: skip

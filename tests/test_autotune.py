@@ -7,6 +7,7 @@ call is on a GPU), with a two-config grid so that each sweep stays short.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 
@@ -15,7 +16,9 @@ import torch
 from helpers import weighted_gradients
 
 from lik.runtime import autotune, dispatch, maxsim
+from lik.runtime.keys import KernelKey
 from lik.runtime.reference import maxsim_reference
+from lik.runtime.tuning import default_config
 
 pytestmark = pytest.mark.skipif(
     dispatch.backend(torch.device("cpu")) == "reference", reason="no Triton path on this machine"
@@ -128,10 +131,16 @@ def test_the_grid_is_the_default_and_its_neighbours():
     thin = autotune.candidates({**base, "query_group": 1, "num_stages": 1}, lq=32,
                                max_query_group=1)  # fmt: skip
     assert {e["num_warps"] for e in thin} == {2, 4} and {e["num_stages"] for e in thin} == {1}
-    # A backward: 1 to 3 stages (its tuned entries are unpipelined or 2), queries as given.
-    backward = autotune.candidates(base, lq=32, max_query_group=4, backward=True)
-    assert {e["num_stages"] for e in backward} == {1, 2, 3}
-    assert {e["query_group"] for e in backward} == {4} and len(backward) <= 25
+    # A backward: its default and the three tiles at 1 to 3 stages on one warpgroup,
+    # queries as given.
+    backward_base = default_config(KernelKey("v", "hopper", 128, 32, "m", 8, "bwd"))
+    assert (backward_base["num_warps"], backward_base["num_stages"]) == (4, 1)
+    backward = autotune.candidates(backward_base, lq=32, max_query_group=4, backward=True)
+    assert backward[0] == backward_base and len(backward) == 9
+    assert {(e["block_l"], e["num_stages"]) for e in backward} == set(
+        itertools.product((32, 64, 128), (1, 2, 3)))  # fmt: skip
+    assert {e["num_warps"] for e in backward} == {4}
+    assert {e["query_group"] for e in backward} == {backward_base["query_group"]}
 
 
 def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner):
