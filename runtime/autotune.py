@@ -127,9 +127,9 @@ def _store(name: str, entry: dict) -> None:
 def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> list[dict]:
     """The configs a sweep times: the default `base` and its neighbours (half and twice
     its doc tile, two warp counts, 2 or 3 stages, its query stacking and the most the key
-    allows; a backward's tiles at 1 to 3 stages on one warpgroup). About two dozen forward configs,
-    nine backward ones, so that the one-time stall (each candidate compiles) stays in
-    seconds; `make tune`'s grid is wider."""
+    allows; a backward's tiles at 1 to 3 stages on its warps and one warpgroup). About
+    two dozen forward configs, 9 or 18 backward ones, so that the one-time stall (each
+    candidate compiles) stays in seconds; `make tune`'s grid is wider."""
     tiles = sorted({max(16, base["block_l"] // 2), base["block_l"], min(256, base["block_l"] * 2)})
     if backward:
         # grad_D's tiles are gathered rows: its tuned entries are unpipelined or 2 stages.
@@ -141,8 +141,8 @@ def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> 
     groups = sorted({base["query_group"], max_query_group})
     found = [base]
     for group in groups:
-        if backward:  # 2 and 8 warps won none of nine steps' backwards (default_config)
-            warps = (BACKWARD_WARPS,)
+        if backward:  # its own and one warpgroup, which won every lowmem step measured
+            warps = tuple(sorted({base["num_warps"], BACKWARD_WARPS}))
         elif lq * group <= THIN_ROWS:  # one short query's tile is too thin for a warpgroup
             warps = (2, 4)
         else:

@@ -144,7 +144,7 @@ def default_query_group(key: KernelKey) -> int:
     return max(1, min(key.queries, STACKED_ROWS // key.lq))
 
 
-# Warps of a backward's programs: one warpgroup (see default_config).
+# Warps of a plain lowmem backward's programs: one warpgroup (see default_config).
 BACKWARD_WARPS = 4
 
 # Docs loaded once (unpipelined, evict-first; lik.runtime.dispatch.streamed) keep a tile
@@ -163,11 +163,12 @@ def default_config(key: KernelKey) -> dict[str, int]:
         return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4,
                 "query_group": default_query_group(key)}  # fmt: skip
     block_l = 64 if key.head_dim <= 128 else 32
-    if key.kernel == "bwd":
-        # Backward kernels gather their winners' rows and scatter one-hot tiles: one
-        # warpgroup, unpipelined, was the fastest or within 11% of it on each of nine
-        # training steps (H200, lowmem in-batch, colpali and KD; the forward's 8 warps and
-        # 3 stages took up to 2.2x as long; benchmarks/results/backward_defaults_H200.md).
+    if key.kernel == "bwd" and key.variant.endswith("_lowmem"):
+        # A plain lowmem backward gathers its winners' rows: one warpgroup, unpipelined,
+        # was the fastest or within 11% of it on each of nine training steps (H200,
+        # in-batch, colpali and KD), where the forward's 8 warps and 3 stages took up to
+        # 2.2x as long. Unified backwards (1.5x slower so) and the token-score variants'
+        # (1.06-1.12x) keep the forward's rule (benchmarks/results/backward_defaults_H200.md).
         return {"block_l": block_l, "num_warps": BACKWARD_WARPS, "num_stages": 1,
                 "block_n": 8, "query_group": default_query_group(key)}  # fmt: skip
     if "_fp8_" in key.variant:

@@ -131,16 +131,24 @@ def test_the_grid_is_the_default_and_its_neighbours():
     thin = autotune.candidates({**base, "query_group": 1, "num_stages": 1}, lq=32,
                                max_query_group=1)  # fmt: skip
     assert {e["num_warps"] for e in thin} == {2, 4} and {e["num_stages"] for e in thin} == {1}
-    # A backward: its default and the three tiles at 1 to 3 stages on one warpgroup,
-    # queries as given.
-    backward_base = default_config(KernelKey("v", "hopper", 128, 32, "m", 8, "bwd"))
-    assert (backward_base["num_warps"], backward_base["num_stages"]) == (4, 1)
-    backward = autotune.candidates(backward_base, lq=32, max_query_group=4, backward=True)
-    assert backward[0] == backward_base and len(backward) == 9
-    assert {(e["block_l"], e["num_stages"]) for e in backward} == set(
-        itertools.product((32, 64, 128), (1, 2, 3)))  # fmt: skip
-    assert {e["num_warps"] for e in backward} == {4}
-    assert {e["query_group"] for e in backward} == {backward_base["query_group"]}
+    # A backward: its default and the three tiles at 1 to 3 stages, on its own warps and
+    # one warpgroup (a plain lowmem backward's default: 9 configs), queries as given.
+    def backward_grid(variant):
+        base = default_config(KernelKey(variant, "hopper", 128, 32, "m", 8, "bwd"))
+        grid = autotune.candidates(base, lq=32, max_query_group=4, backward=True)
+        assert grid[0] == base and {e["query_group"] for e in grid} == {base["query_group"]}
+        assert {(e["block_l"], e["num_stages"]) for e in grid} == set(
+            itertools.product((32, 64, 128), (1, 2, 3)))  # fmt: skip
+        return base, grid
+
+    lowmem, grid = backward_grid("maxsim_dense_nomask_bf16_triton_lowmem")
+    assert (lowmem["num_warps"], lowmem["num_stages"]) == (4, 1)
+    assert {e["num_warps"] for e in grid} == {4} and len(grid) == 9
+    unified, grid = backward_grid("maxsim_dense_nomask_bf16_triton_unified")
+    assert (unified["num_warps"], unified["num_stages"]) == (8, 3)
+    assert {e["num_warps"] for e in grid} == {4, 8} and len(grid) == 18
+    weighted, _ = backward_grid("maxsim_dense_nomask_bf16_triton_lowmem_weighted")
+    assert weighted["num_warps"] == 8
 
 
 def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner):
