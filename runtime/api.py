@@ -11,39 +11,38 @@ _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
 _D_DOC = "[Nd, Ld, d], [Nq, K, Ld, d] or [Ld, d]"
 
 
-# "auto" sends an in-batch (dense) backward to lowmem from this many scored pairs on.
-# Measured on an H200 (forward + backward, bf16, each step replayed from a CUDA graph,
-# benchmarks/results/train_H200.md, tree e3464e1): in-batch 256 x 256 (65536 pairs)
-# lowmem 0.766 ms vs unified 1.409; colpali 32 x 32 (1024 pairs) 0.118 vs 0.221. Fewer
-# pairs were not measured since the routed grad_D; lowmem's peak memory is a third of
-# unified's, so it takes every case where it is not clearly slower.
-AUTO_LOWMEM_MIN_PAIRS = 32 * 32
-
-
 def _needs_grad(Q: torch.Tensor, D: torch.Tensor) -> bool:
     return (Q.requires_grad or D.requires_grad) and torch.is_grad_enabled()
 
 
-def choose_backward(backward: str | None, layout: str, n_pairs: int) -> str:
-    """The backward strategy a call uses: the caller's choice, or "auto"'s pick.
+# "auto" takes unified for an in-batch call whose one side outnumbers the other this many
+# times or more, and lowmem for every other call (see choose_backward).
+LOPSIDED = 64
 
-    auto: kd / hard-negative and diagonal layouts own each doc's gradient in one program,
-    so lowmem is both leaner and cheap there; large in-batch squares go to lowmem too
-    (atomic contention on grad_D grows with Nq); smaller in-batch calls take unified.
+
+def choose_backward(backward: str | None, layout: str, nq: int, nd: int) -> str:
+    """The backward strategy a call uses: the caller's choice, or "auto"'s.
+
+    lowmem owns each gradient element in one program and writes it in the input dtype: a
+    third of unified's memory. H200, in-batch training steps replayed, lowmem against
+    unified: 1.2-4.3x faster up to 16 times as many docs as queries or the other way (4 x 4
+    to 64 x 64, 256 x 16), mixed from 32 to 64 times (256 x 8 1.16x slower, 16 x 1000
+    1.12x faster), slower beyond (1 x 1000 1.7x, 256 x 2 1.8x; 1 x 250 the exception),
+    where its per-query grad_Q or per-doc grad_D has too few owners to spread
+    (benchmarks/results/auto_backward_H200.md). kd and pairs: lowmem.
     """
     if backward in ("unified", "lowmem"):
         return backward
-    if layout != "dense" or n_pairs >= AUTO_LOWMEM_MIN_PAIRS:
-        return "lowmem"
-    return "unified"
+    if layout == "dense" and max(nq, nd) >= LOPSIDED * min(nq, nd):
+        return "unified"
+    return "lowmem"
 
 
 def _score(layout, Q, D, q_mask, d_mask, normalize, backward) -> torch.Tensor:
     """Generated-kernel path, through the custom op (autograd and torch.compile aware)."""
     strategy = "none"
     if _needs_grad(Q, D):
-        n_pairs = Q.shape[0] * (D.shape[0] if layout == "dense" else 1)
-        strategy = choose_backward(backward, layout, n_pairs)
+        strategy = choose_backward(backward, layout, Q.shape[0], D.shape[0])
     return autograd.score(Q, D, q_mask, d_mask, layout, normalize, strategy)
 
 

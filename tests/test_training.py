@@ -192,11 +192,15 @@ def test_argmax_is_saved_only_when_an_input_requires_grad(monkeypatch):
 
 
 def test_auto_backward_choice():
-    assert api.choose_backward(None, "kd", 64) == "lowmem"
-    assert api.choose_backward("auto", "pairs", 8) == "lowmem"
-    assert api.choose_backward(None, "dense", 16) == "unified"
-    assert api.choose_backward(None, "dense", api.AUTO_LOWMEM_MIN_PAIRS) == "lowmem"
-    assert api.choose_backward("unified", "kd", 64) == "unified"
+    # lowmem, but for lopsided in-batch calls; a caller's choice stands.
+    assert api.choose_backward(None, "dense", 4, 4) == "lowmem"
+    assert api.choose_backward("auto", "dense", 16, 16 * api.LOPSIDED - 1) == "lowmem"
+    assert api.choose_backward(None, "dense", 16, 16 * api.LOPSIDED) == "unified"
+    assert api.choose_backward(None, "dense", 256, 2) == "unified"
+    assert api.choose_backward(None, "kd", 256, 2) == "lowmem"
+    assert api.choose_backward(None, "pairs", 1, 1000) == "lowmem"
+    assert api.choose_backward("unified", "kd", 64, 4) == "unified"
+    assert api.choose_backward("lowmem", "dense", 1, 1000) == "lowmem"
 
 
 def test_gradient_only_for_the_input_that_requires_it():
