@@ -354,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a maxsim call of a given shape launches, and why",
         description="The generated kernel, tuning key and entry, launch config and strategy "
         "(query stacking, doc blocks, token ranges, docs loaded once) that maxsim(Q, D) takes "
-        "for Q [Nq, Lq, d] and D [Nd, Ld, d], derived as a call derives them. Without a GPU "
-        "of that family, planned for an H100's 132 SMs.",
+        "for Q [Nq, Lq, d] and D [Nd, Ld, d], derived as a call derives them; with --backward, "
+        "a training call's, its backward's too. Without a GPU of that family, planned for an "
+        "H100's 132 SMs.",
     )
     explain.add_argument(
         "--shape", type=_shape, required=True, metavar="NQ,ND,LQ,LD,D",
@@ -365,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--masks", choices=sorted(EXPLAIN_MASKS), default="none",
         help="the call's masks: q_mask (q), d_mask (d), both (qd) or none (default)",
+    )  # fmt: skip
+    explain.add_argument(
+        "--backward", choices=["auto", "unified", "lowmem"],
+        help="plan a training call (inputs requiring grad) with this backward argument: its "
+        "strategy, backward key and config too",
     )  # fmt: skip
     explain.add_argument(
         "--family", help="GPU family whose tuning table to read (default: this GPU's, else hopper)"
@@ -402,7 +408,7 @@ def run_explain(args) -> int:
     q_mask, d_mask = EXPLAIN_MASKS[args.masks]
     plan = explain_forward(
         args.shape, dtype=EXPLAIN_DTYPES[args.dtype], family=args.family, card=args.card,
-        q_mask=q_mask, d_mask=d_mask,
+        q_mask=q_mask, d_mask=d_mask, backward=args.backward,
     )  # fmt: skip
     print(render(plan))
     return 0

@@ -13,8 +13,19 @@ import dataclasses
 import torch
 
 from lik.runtime import autotune, dispatch, registry, tune, validate
+from lik.runtime.api import LOPSIDED, choose_backward
 from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
 from lik.runtime.tuning import LaunchConfig, committed_source, config_for, table_file
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    strategy: str  # "unified" or "lowmem", as api.choose_backward picks it
+    reason: str  # why that strategy
+    key: KernelKey  # the backward kernels' key ("bwd")
+    source: tuple[str, str] | None  # as ForwardPlan.source
+    autotuned: bool
+    config: LaunchConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +42,7 @@ class ForwardPlan:
     config: LaunchConfig  # as launched: doc blocks, token ranges, tail peel, once tiles
     chunks: int  # launches over query-token chunks of at most LQ_CHUNK tokens
     wave: int  # programs of this config the GPU holds at once
+    backward: BackwardPlan | None = None  # a training call's (inputs requiring grad)
 
     @property
     def table(self) -> str | None:
@@ -49,11 +61,13 @@ class ForwardPlan:
 def explain_forward(
     shape, *, dtype: torch.dtype = torch.bfloat16, family: str | None = None,
     card: str | None = None, q_mask: bool = False, d_mask: bool = False,
+    backward: str | None = None,
 ) -> ForwardPlan:  # fmt: skip
     """The plan of maxsim(Q [Nq, Lq, d], D [Nd, Ld, d]) in `dtype` for shape (Nq, Nd, Lq,
     Ld, d), with a query and/or doc mask where asked, on `family`'s table (default: the
     local CUDA GPU's, else "hopper") and, first, `card`'s own (default: the local GPU's
-    where it is of that family, else none)."""
+    where it is of that family, else none). backward ("auto", "unified" or "lowmem"):
+    the plan of a training call with that argument, its backward's included."""
     nq, nd, lq, ld, d = (int(size) for size in shape)
     if min(nq, nd, lq, ld, d) < 1:
         raise ValueError(f"shape must be five positive sizes (Nq, Nd, Lq, Ld, d), got {shape}")
@@ -66,8 +80,9 @@ def explain_forward(
         device = torch.device("cpu")  # another GPU's plan: an H100's SM count
     if card is None:
         card = gpu_card(device)
+    strategy = "none" if backward is None else choose_backward(backward, "dense", nq, nd)
     key = tune.key_for(("call", nq, nd, lq, ld, d), family, dtype, card,
-                       q_mask=q_mask, d_mask=d_mask)  # fmt: skip
+                       q_mask=q_mask, d_mask=d_mask, backward=strategy)  # fmt: skip
     module = registry.load(key.variant)
     once_key = dataclasses.replace(key, kernel="once")
     # A key without an entry takes the one its first CUDA call on this card autotuned.
@@ -88,7 +103,24 @@ def explain_forward(
         config=config,
         chunks=-(-lq // LQ_CHUNK),
         wave=dispatch.wave_for(module, config, device),
+        backward=None if backward is None else _backward_plan(backward, strategy, key, module),
     )
+
+
+def _backward_plan(asked: str, strategy: str, key: KernelKey, module) -> BackwardPlan:
+    """The backward of a training call whose forward key is `key`: the strategy and why,
+    its key (the forward's, kernel "bwd") and that key's config."""
+    if asked != "auto":
+        reason = "asked"
+    elif strategy == "unified":
+        reason = f"auto: one side of the batch is {LOPSIDED} or more times the other"
+    else:
+        reason = f"auto: lowmem unless one side of the batch is {LOPSIDED} times the other"
+    bwd_key = dataclasses.replace(key, kernel="bwd")
+    tuned = dispatch.autotuned_entry(bwd_key, torch.device("cuda"))
+    return BackwardPlan(strategy=strategy, reason=reason, key=bwd_key,
+                        source=committed_source(bwd_key), autotuned=tuned is not None,
+                        config=config_for(bwd_key, module.smem_bytes, tuned))  # fmt: skip
 
 
 def strategy_lines(plan: ForwardPlan) -> list[str]:
@@ -125,13 +157,14 @@ def strategy_lines(plan: ForwardPlan) -> list[str]:
 
 
 def _entry(key: str, source: tuple[str, str] | None, family: str, *, autotuned=False,
-           forward=True) -> str:  # fmt: skip
-    """Where the entry of table key `key` comes from, as `lik explain` prints it. forward:
-    a forward key, which its first CUDA call autotunes where it has no entry."""
+           sweeps=True) -> str:  # fmt: skip
+    """Where the entry of table key `key` comes from, as `lik explain` prints it. sweeps:
+    a forward or backward key, which its first CUDA call autotunes where it has no entry
+    ("once" keys do not)."""
     if autotuned:
         return f"no entry in runtime/tuning; autotuned on this machine, {autotune.cache_path()}"
     if source is None:
-        later = " until its first CUDA call autotunes it" if forward else ""
+        later = " until its first CUDA call autotunes it" if sweeps else ""
         return f"no entry in runtime/tuning/{table_file(family)}: the default config{later}"
     table, taken = source
     if taken != key:
@@ -151,6 +184,9 @@ def render(plan: ForwardPlan) -> str:
     family = plan.key.family
     gpus = f"{plan.key.card} ({family} family)" if plan.key.card else f"{family} GPUs"
     masks = f", {plan.masks}" if plan.masks else ""
+    if plan.backward is not None:
+        asked = plan.backward.strategy if plan.backward.reason == "asked" else "auto"
+        masks += f', backward="{asked}"'
     key = plan.key.table_key()
     lines = [
         f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]{masks}) in {dtype}, {gpus}",
@@ -158,7 +194,7 @@ def render(plan: ForwardPlan) -> str:
         f"  key       {key} ({_entry(key, plan.source, family, autotuned=plan.autotuned)})",
     ]
     if config.evict_docs:
-        once = _entry(f"{key}|once", plan.once_source, family, forward=False)
+        once = _entry(f"{key}|once", plan.once_source, family, sweeps=False)
         lines.append(f"  once key  {key}|once ({once})")
     lines += [
         f"  config    {config.block_q}-row query tiles x {config.block_l}-token doc tiles, "
@@ -169,4 +205,23 @@ def render(plan: ForwardPlan) -> str:
     strategy = strategy_lines(plan)
     lines.append(f"  strategy  {strategy[0]}")
     lines += [f"            {line}" for line in strategy[1:]]
+    if plan.backward is not None:
+        lines += backward_lines(plan.backward)
     return "\n".join(lines)
+
+
+def backward_lines(plan: BackwardPlan) -> list[str]:
+    """A training call's backward: strategy, key and config, as `lik explain` prints them."""
+    config, key = plan.config, plan.key.table_key()
+    warps = f"{_count(config.num_warps, 'warp')}"
+    if plan.strategy == "unified":  # one kernel: (query, doc block) programs, fp32 atomics
+        tiling = f"{config.block_n} docs per program, fp32 atomics then a cast pass; {warps}"
+    else:
+        tiling = (f"{config.block_l}-token doc tiles, each gradient element from one owner; "
+                  f"{warps}, {_count(config.num_stages, 'stage')}")  # fmt: skip
+    entry = _entry(key, plan.source, plan.key.family, autotuned=plan.autotuned)
+    return [
+        f"  backward  {plan.strategy} ({plan.reason})",
+        f"  bwd key   {key} ({entry})",
+        f"  bwd tiles {tiling}",
+    ]

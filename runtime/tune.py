@@ -112,13 +112,15 @@ L2_FLUSH_BYTES = 256 * 2**20
 
 
 def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16, card: str = "", *,
-            q_mask: bool = False, d_mask: bool = False) -> KernelKey:  # fmt: skip
+            q_mask: bool = False, d_mask: bool = False,
+            backward: str = "none") -> KernelKey:  # fmt: skip
     """The KernelKey dispatch builds for a maxsim(Q, D) call of this shape on a card of the
-    family, with a query and/or doc mask where asked (see dispatch._config; queries longer
-    than LQ_CHUNK tokens are keyed by their first chunk). card "": the family's own
-    entries alone."""
+    family, with a query and/or doc mask where asked, and for a training call the forward
+    key of its backward strategy's variant (see dispatch._config; queries longer than
+    LQ_CHUNK tokens are keyed by their first chunk). card "": the family's own entries
+    alone."""
     _, nq, nd, lq, _, d = shape
-    name = variant_name("dense", q_mask, d_mask, False, dtype)
+    name = variant_name("dense", q_mask, d_mask, False, dtype, backward=backward)
     return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, LQ_CHUNK)),
                      size_class(nq * nd), query_bucket(nq), card=card)  # fmt: skip
 

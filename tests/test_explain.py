@@ -61,6 +61,55 @@ def test_a_masked_call_s_plan_is_the_config_it_launches(masks):
     assert plan.key.variant == launched_key and plan.config == launched
 
 
+@pytest.mark.parametrize(
+    "shape, backward, strategy",
+    [
+        ((3, 5, 6, 21, 32), "auto", "lowmem"),
+        ((1, 70, 5, 9, 16), "auto", "unified"),  # 70 docs for one query: lopsided
+        ((3, 5, 6, 21, 32), "unified", "unified"),
+    ],
+)
+def test_a_training_call_s_plan_is_the_configs_it_launches(shape, backward, strategy):
+    # A training call (inputs requiring grad) launches its strategy's forward and its
+    # backward kernels; the plan with --backward names both keys and their configs.
+    from lik.runtime import maxsim
+
+    nq, nd, lq, ld, d = shape
+    generator = torch.Generator().manual_seed(5)
+    Q = torch.randn(nq, lq, d, generator=generator).bfloat16().to(DEVICE).requires_grad_()
+    D = torch.randn(nd, ld, d, generator=generator).bfloat16().to(DEVICE).requires_grad_()
+    dispatch._call_configs.clear()
+    dispatch._configs.clear()
+    maxsim(Q, D, backward=backward).sum().backward()
+    plan = explain_forward(shape, family=gpu_family(DEVICE), backward=backward)
+    assert plan.backward.strategy == strategy
+    assert plan.key.variant == f"maxsim_dense_nomask_bf16_triton_{strategy}"
+    # The configs the call launched, by kernel ("fwd", "bwd"; the last of a call's fields).
+    launched = {call[-1]: (call[0], config) for call, config in dispatch._call_configs.items()}
+    assert launched == {"fwd": (plan.key.variant, plan.config),
+                        "bwd": (plan.backward.key.variant, plan.backward.config)}  # fmt: skip
+    text = render(plan)
+    assert f'backward="{backward}") in bfloat16' in text
+    assert f"  backward  {strategy} (" in text
+    assert f"  bwd key   {plan.backward.key.table_key()} (" in text
+
+
+def test_a_training_plan_on_the_committed_table(capsys):
+    # inbatch-256's training step: lowmem, both keys committed; 1 query x 1000 docs: unified.
+    assert main(["explain", "--shape", "256,256,32,300,128", "--family", "hopper", "--card", "",
+                 "--backward", "auto"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    key = "maxsim_dense_nomask_bf16_triton_lowmem|128|32|l|q8"
+    assert f"  key       {key} (entry in runtime/tuning/hopper.toml)" in text
+    assert f"  bwd key   {key}|bwd (entry in runtime/tuning/hopper.toml)" in text
+    assert "  bwd tiles 64-token doc tiles, each gradient element from one owner; 4 warps, " \
+        "1 stage" in text
+    lopsided = render(explain_forward((1, 1000, 32, 300, 128), family="hopper", card="",
+                                      backward="auto"))  # fmt: skip
+    assert "  backward  unified (auto: one side of the batch is 64 or more times" in lopsided
+    assert "docs per program, fp32 atomics then a cast pass" in lopsided
+
+
 def test_a_masked_key_shows_the_unmasked_twin_s_entry_it_takes(capsys):
     assert main(["explain", "--shape", "256,256,32,300,128", "--family", "hopper", "--card", "",
                  "--masks", "d"]) == 0  # fmt: skip
