@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lik.runtime import registry
-from lik.runtime.tuning import BACKWARD_WARPS, THIN_ROWS
+from lik.runtime.tuning import THIN_ROWS
 
 log = logging.getLogger("lik.autotune")
 
@@ -124,11 +124,12 @@ def _store(name: str, entry: dict) -> None:
         log.warning("autotune cache %s not written (%s); kept for this process", path, error)
 
 
-def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> list[dict]:
+def candidates(base: dict, *, lq: int, max_query_group: int, backward=False,
+               warps: tuple[int, ...] | None = None) -> list[dict]:  # fmt: skip
     """The configs a sweep times: the default `base` and its neighbours (half and twice
-    its doc tile, two warp counts, 2 or 3 stages, its query stacking and the most the key
-    allows; a backward's tiles at 1 to 3 stages on its warps and one warpgroup). About
-    two dozen forward configs, 9 or 18 backward ones, so that the one-time stall (each
+    its doc tile, two warp counts or `warps` where given, 2 or 3 stages, its query
+    stacking and the most the key allows; a backward's 1 to 3 stages). About two dozen
+    (9 for a plain lowmem backward, on one warpgroup), so that the one-time stall (each
     candidate compiles) stays in seconds; `make tune`'s grid is wider."""
     tiles = sorted({max(16, base["block_l"] // 2), base["block_l"], min(256, base["block_l"] * 2)})
     if backward:
@@ -141,13 +142,9 @@ def candidates(base: dict, *, lq: int, max_query_group: int, backward=False) -> 
     groups = sorted({base["query_group"], max_query_group})
     found = [base]
     for group in groups:
-        if backward:  # its own and one warpgroup, which won every lowmem step measured
-            warps = tuple(sorted({base["num_warps"], BACKWARD_WARPS}))
-        elif lq * group <= THIN_ROWS:  # one short query's tile is too thin for a warpgroup
-            warps = (2, 4)
-        else:
-            warps = (4, 8)
-        for block_l, num_warps, num_stages in itertools.product(tiles, warps, stages):
+        # A tile of one short query is too thin for a warpgroup: fewer warps there.
+        counts = warps or ((2, 4) if lq * group <= THIN_ROWS else (4, 8))
+        for block_l, num_warps, num_stages in itertools.product(tiles, counts, stages):
             entry = {**base, "block_l": block_l, "num_warps": num_warps,
                      "num_stages": num_stages, "query_group": group}  # fmt: skip
             if entry not in found:

@@ -30,12 +30,14 @@ from lik.runtime.keys import (
     variant_name,
 )
 from lik.runtime.tuning import (
+    BACKWARD_WARPS,
     DEFAULT_SMEM_LIMIT,
     SMEM_LIMIT,
     STACKED_ROWS,
     committed_source,
     config_for,
     default_config,
+    one_warpgroup_backward,
 )
 
 # Looked up once at import (not per call), so torch.compile sees a plain constant.
@@ -333,9 +335,11 @@ def _autotune(name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: 
     backward = kernel == "bwd"
     # Queries stack in forward tiles only; a backward keeps the key's default.
     stackable = base["query_group"] if backward else min(key.queries, 2 * STACKED_ROWS // key.lq)
+    # 2 and 8 warps won none of nine plain lowmem backwards (tuning.default_config).
+    warps = (BACKWARD_WARPS,) if one_warpgroup_backward(key) else None
     entries, launched = [], {}
     for entry in autotune.candidates(base, lq=key.lq, max_query_group=max(1, stackable),
-                                     backward=backward):  # fmt: skip
+                                     backward=backward, warps=warps):  # fmt: skip
         key_config = config_for(key, module.smem_bytes, entry)
         config = _keyed_config(name, module, Q, lq, programs, docs, doc_tokens, kernel,
                                key_config)  # fmt: skip

@@ -147,6 +147,12 @@ def default_query_group(key: KernelKey) -> int:
 # Warps of a plain lowmem backward's programs: one warpgroup (see default_config).
 BACKWARD_WARPS = 4
 
+
+def one_warpgroup_backward(key: KernelKey) -> bool:
+    """A plain lowmem backward's key (not unified, not a token-score variant's): one
+    warpgroup, unpipelined, by default, and the warps its call-time sweep keeps."""
+    return key.kernel == "bwd" and key.variant.endswith("_lowmem")
+
 # Docs loaded once (unpipelined, evict-first; lik.runtime.dispatch.streamed) keep a tile
 # of ONCE_TILE_ELEMENTS in flight per warp by default: one warp of 32 tokens at d 128,
 # 64 at d 64. On an H100 (1000 docs of 1024 tokens at d 48, padded to 64), 64-token tiles
@@ -163,7 +169,7 @@ def default_config(key: KernelKey) -> dict[str, int]:
         return {"block_l": 32, "num_warps": 4, "num_stages": 1, "block_n": 4,
                 "query_group": default_query_group(key)}  # fmt: skip
     block_l = 64 if key.head_dim <= 128 else 32
-    if key.kernel == "bwd" and key.variant.endswith("_lowmem"):
+    if one_warpgroup_backward(key):
         # A plain lowmem backward gathers its winners' rows: one warpgroup, unpipelined,
         # was the fastest or within 11% of it on each of nine training steps (H200,
         # in-batch, colpali and KD), where the forward's 8 warps and 3 stages took up to

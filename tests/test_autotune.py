@@ -18,7 +18,7 @@ from helpers import weighted_gradients
 from lik.runtime import autotune, dispatch, maxsim
 from lik.runtime.keys import KernelKey
 from lik.runtime.reference import maxsim_reference
-from lik.runtime.tuning import default_config
+from lik.runtime.tuning import default_config, one_warpgroup_backward
 
 pytestmark = pytest.mark.skipif(
     dispatch.backend(torch.device("cpu")) == "reference", reason="no Triton path on this machine"
@@ -36,8 +36,7 @@ def tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "_call_configs", {})
     monkeypatch.setattr(autotune, "applies",
                         lambda key, device: REAL_APPLIES(key, torch.device("cuda")))  # fmt: skip
-    monkeypatch.setattr(autotune, "candidates", lambda base, lq, max_query_group, backward=False: [
-        base, {**base, "block_l": 16}])  # fmt: skip
+    monkeypatch.setattr(autotune, "candidates", lambda base, **_: [base, {**base, "block_l": 16}])
     autotune.forget()
     yield tmp_path / autotune.CACHE_FILE
     autotune.forget()
@@ -131,11 +130,13 @@ def test_the_grid_is_the_default_and_its_neighbours():
     thin = autotune.candidates({**base, "query_group": 1, "num_stages": 1}, lq=32,
                                max_query_group=1)  # fmt: skip
     assert {e["num_warps"] for e in thin} == {2, 4} and {e["num_stages"] for e in thin} == {1}
-    # A backward: its default and the three tiles at 1 to 3 stages, on its own warps and
-    # one warpgroup (a plain lowmem backward's default: 9 configs), queries as given.
+    # A backward: its default and the three tiles at 1 to 3 stages, queries as given; a
+    # plain lowmem backward on one warpgroup (9 configs), others on two warp counts.
     def backward_grid(variant):
-        base = default_config(KernelKey(variant, "hopper", 128, 32, "m", 8, "bwd"))
-        grid = autotune.candidates(base, lq=32, max_query_group=4, backward=True)
+        key = KernelKey(variant, "hopper", 128, 32, "m", 8, "bwd")
+        base = default_config(key)
+        warps = (4,) if one_warpgroup_backward(key) else None
+        grid = autotune.candidates(base, lq=32, max_query_group=4, backward=True, warps=warps)
         assert grid[0] == base and {e["query_group"] for e in grid} == {base["query_group"]}
         assert {(e["block_l"], e["num_stages"]) for e in grid} == set(
             itertools.product((32, 64, 128), (1, 2, 3)))  # fmt: skip
