@@ -152,7 +152,10 @@ def test_the_grid_is_the_default_and_its_neighbours():
     assert weighted["num_warps"] == 8
 
 
-def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner):
+def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner, monkeypatch):
+    grids = []  # the keywords of each sweep's grid: its backward's warps among them
+    monkeypatch.setattr(autotune, "candidates", lambda base, **kw: grids.append(kw) or [
+        base, {**base, "block_l": 16}])  # fmt: skip
     g = torch.Generator().manual_seed(3)
     Q, D = torch.randn(3, 7, 48, generator=g), torch.randn(5, 37, 48, generator=g)
     weights = torch.randn(3, 5, generator=g)
@@ -166,6 +169,11 @@ def test_a_training_call_sweeps_its_forward_and_backward_keys_once(tuner):
     assert autotune.sweeps == before + 2
     names = list(json.loads(tuner.read_text())["entries"])
     assert len(names) == 2 and sum("_lowmem|64|16|s|q4|bwd|" in name for name in names) == 1
+    # The forward's grid takes its usual warps, lowmem's backward one warpgroup alone, and
+    # a unified backward its usual warps.
+    assert [(kw["backward"], kw["warps"]) for kw in grids] == [(False, None), (True, (4,))]
+    weighted_gradients(lambda q, d: maxsim(q, d, backward="unified"), Q, D, weights)
+    assert [(kw["backward"], kw["warps"]) for kw in grids[2:]] == [(False, None), (True, None)]
 
 
 def test_a_sweep_keeps_the_fastest_entry_whose_scores_agree(monkeypatch, tmp_path, caplog):
