@@ -130,6 +130,7 @@ def test_the_grid_is_the_default_and_its_neighbours():
     thin = autotune.candidates({**base, "query_group": 1, "num_stages": 1}, lq=32,
                                max_query_group=1)  # fmt: skip
     assert {e["num_warps"] for e in thin} == {2, 4} and {e["num_stages"] for e in thin} == {1}
+
     # A backward: its default and the three tiles at 1 to 3 stages, queries as given; a
     # plain lowmem backward on one warpgroup (9 configs), others on two warp counts.
     def backward_grid(variant):

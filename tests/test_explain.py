@@ -102,8 +102,8 @@ def test_a_training_plan_on_the_committed_table(capsys):
     key = "maxsim_dense_nomask_bf16_triton_lowmem|128|32|l|q8"
     assert f"  key       {key} (entry in runtime/tuning/hopper.toml)" in text
     assert f"  bwd key   {key}|bwd (entry in runtime/tuning/hopper.toml)" in text
-    assert "  bwd tiles 64-token doc tiles, each gradient element from one owner; 4 warps, " \
-        "1 stage" in text
+    tiles = "  bwd tiles 64-token doc tiles, each gradient element from one owner; 4 warps, 1 stage"
+    assert tiles in text
     lopsided = render(explain_forward((1, 1000, 32, 300, 128), family="hopper", card="",
                                       backward="auto"))  # fmt: skip
     assert "  backward  unified (auto: one side of the batch is 64 or more times" in lopsided
