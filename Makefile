@@ -57,7 +57,7 @@ demo: setup
 	$(VPY) -m lik.demo
 
 # Every benchmark, one after the other, into the committed results folder.
-BENCHES := forward train ragged retrieve variants fp8 plaid head cold_start autotune host
+BENCHES := forward train backward ragged retrieve variants fp8 plaid head cold_start autotune host
 
 bench:
 	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done

@@ -106,6 +106,34 @@ def test_forward_report_has_the_clean_l2_table_for_memory_bound_shapes():
     assert bench_forward.clean_l2_table({**report, "shapes": [compute]}) is None
 
 
+
+def test_bench_backward_report_names_auto_s_pick_and_whether_it_was_the_faster():
+    bench_backward = pytest.importorskip("bench_backward")
+    env = {"date": "today", "commit": "abc", "torch": "2.11", "triton": "3.6"}
+
+    def shape(name, dims, auto, unified, lowmem):
+        return {"name": name, "dims": dims, "auto": auto,
+                "cells": {"unified": unified, "lowmem": lowmem}}  # fmt: skip
+
+    fast, slow = {"ms": 0.02, "peak_mib": 1.3, "grad_err": 4e-3, "error": None}, {
+        "ms": 0.05, "peak_mib": 3.9, "grad_err": 5e-3, "error": None}  # fmt: skip
+    dims = [32, 300, 128]
+    report = {"env": env, "gpu": "GPU", "autotune": False, "lopsided": 64, "shapes": [
+        shape("16 x 16", [16, 16, *dims], "lowmem", [slow, slow], [fast, {**fast, "ms": 0.03}]),
+        shape("256 x 8", [256, 8, *dims], "lowmem", [fast], [{**slow, "grad_err": 0.1}]),
+        shape("1 x 1000", [1, 1000, *dims], "unified", [fast], [{"error": "OutOfMemory"}]),
+    ]}  # fmt: skip
+    lines = bench_backward.markdown(report).splitlines()
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")]
+            for line in lines if line.startswith("| ")}  # fmt: skip
+    assert rows["16 x 16"][1:] == ["16, 16, 32, 300, 128", "0.0500 / 3.90", "0.0200 / 1.30",
+                                   "2.50x", "lowmem", "yes", "5.0e-03"]  # fmt: skip
+    assert rows["256 x 8"][4:7] == ["0.40x", "lowmem", "no"]
+    assert rows["256 x 8"][7] == "1.0e-01 (over 2e-2)"
+    assert rows["1 x 1000"][3:7] == ["OutOfMemory", "", "unified", ""]
+    assert "(LIK_AUTOTUNE=0)" in bench_backward.markdown(report)
+
+
 def test_autotune_report_names_each_way_s_first_calls_and_the_winners():
     bench_autotune = pytest.importorskip("bench_autotune")
     entry = {"block_l": 64, "num_warps": 2, "num_stages": 3, "ms": 0.18}
@@ -129,3 +157,17 @@ def test_autotune_report_names_each_way_s_first_calls_and_the_winners():
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1:5] == ["OutOfResources", "0.1500", "0.1100", "3.0 s (2 sweeps)"]
     assert "backward 64 tokens, 2 warps, stages 1 (1 of 1)" in row and "4.0e-03" in row
+
+
+def test_make_bench_and_the_gpu_session_run_every_benchmark():
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = (root / "benchmarks").glob("bench_*.py")
+    benches = {path.stem.removeprefix("bench_") for path in scripts}
+    make = re.search(r"^BENCHES := (.*)$", (root / "Makefile").read_text(), re.M).group(1)
+    assert set(make.split()) == benches
+    session = (root / "benchmarks" / "gpu_session.sh").read_text()
+    extras = re.search(r"^for extra in (.*); do$", session, re.M).group(1).split()
+    assert {"forward", "train", *extras} == benches  # forward and train run by default
+    assert all(f"RUN_{name.upper()}" in session for name in extras)

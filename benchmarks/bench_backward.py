@@ -1,0 +1,171 @@
+"""Training steps on lik's unified and lowmem backwards, and the strategy
+backward="auto" picks for each, in one run on one card.
+
+In-batch (dense) steps from small squares to lopsided batches (one query against a
+thousand docs, hundreds of queries against a few): each step (bench_train.step: scores,
+a fixed weighting, backward to Q and D) captured in a CUDA graph and replayed (the GPU's
+time alone), its peak memory above the inputs, its gradients against float64. "auto" is
+lik.runtime.api.choose_backward's pick for the shape, and whether it was the faster of
+the two there. Keys take their committed entries or the heuristic defaults
+(LIK_AUTOTUNE=0) unless --autotune, where each key sweeps on its first step.
+
+    python3 benchmarks/bench_backward.py --out DIR [--rounds 2] [--quick] [--autotune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import (  # noqa: E402
+    GRADIENT_TOLERANCE,
+    TIMING,
+    build,
+    graph_replay,
+    make_inputs,
+    reference_gradients,
+    step,
+)
+from common import (  # noqa: E402
+    attempt,
+    bench_ms,
+    environment_info,
+    gpu_name,
+    gpu_tag,
+    markdown_table,
+    missing_gpu,
+    peak_extra_memory_mib,
+    relative_error,
+    release_cached_memory,
+    write_results,
+)
+
+# (name, Nq, Nd, Lq, Ld) of in-batch steps, d 128: squares, then by docs per query.
+SHAPES = [
+    ("4 x 4", 4, 4, 32, 300),
+    ("16 x 16", 16, 16, 32, 300),
+    ("31 x 31", 31, 31, 32, 300),
+    ("16 x 16, Lq 64", 16, 16, 64, 200),
+    ("8 x 8, colpali", 8, 8, 128, 1024),
+    ("64 x 64", 64, 64, 32, 300),
+    ("256 x 2", 256, 2, 32, 300),
+    ("256 x 8", 256, 8, 32, 300),
+    ("256 x 16", 256, 16, 32, 300),
+    ("16 x 1000", 16, 1000, 32, 300),
+    ("8 x 1000", 8, 1000, 32, 300),
+    ("1 x 250", 1, 250, 32, 300),
+    ("1 x 1000", 1, 1000, 32, 300),
+]
+STRATEGIES = ("unified", "lowmem")
+
+
+def measure(strategy: str, q, docs, weights, reference, timing) -> dict:
+    """One strategy's step: gradient errors, peak MiB above the inputs, replayed ms."""
+    scores = build(f"lik-{strategy}", "dense")
+    grads, error = attempt(lambda: step(scores, q, docs, weights))
+    if error:
+        return {"error": error}
+    errors = [relative_error(g, r) for g, r in zip(grads, reference, strict=True)]
+    q.grad = docs.grad = None  # the baseline must not hold the previous step's gradients
+    peak, error = attempt(lambda: peak_extra_memory_mib(lambda: step(scores, q, docs, weights)))
+    if error:
+        return {"grad_err": max(errors), "error": error}
+    ms, error = attempt(lambda: bench_ms(graph_replay(scores, q, docs, weights), **timing))
+    q.grad = docs.grad = None
+    return {"grad_err": max(errors), "peak_mib": peak, "ms": ms, "error": error}
+
+
+def run(rounds: int, timing: dict, autotune: bool) -> dict:
+    from lik.runtime.api import LOPSIDED, choose_backward
+
+    report = {"env": environment_info(), "gpu": gpu_name(), "autotune": autotune,
+              "lopsided": LOPSIDED, "shapes": []}  # fmt: skip
+    for name, nq, nd, lq, ld in SHAPES:
+        q, docs, weights = make_inputs("dense", nq, nd, lq, ld, 128, seed=11)
+        q.requires_grad_()
+        docs.requires_grad_()
+        reference = reference_gradients(q, docs, weights, "dense")
+        cells = {strategy: [] for strategy in STRATEGIES}
+        for round_ in range(rounds):  # alternated: each round in the other order
+            for strategy in STRATEGIES[:: 1 if round_ % 2 == 0 else -1]:
+                cells[strategy].append(measure(strategy, q, docs, weights, reference, timing))
+                release_cached_memory()
+        record = {"name": name, "dims": [nq, nd, lq, ld, 128], "cells": cells,
+                  "auto": choose_backward("auto", "dense", nq, nd)}  # fmt: skip
+        print(f"[{name}] " + "; ".join(f"{s} {_best(cells[s], 'ms')} ms" for s in STRATEGIES)
+              + f"; auto takes {record['auto']}", flush=True)  # fmt: skip
+        report["shapes"].append(record)
+        del q, docs, weights, reference
+        release_cached_memory()
+    return report
+
+
+def _best(runs: list[dict], field: str) -> float | None:
+    """The smallest of a cell's readings (its runs' field), None where none ran."""
+    values = [run[field] for run in runs if run.get(field) is not None]
+    return min(values) if values else None
+
+
+def _cell(runs: list[dict]) -> str:
+    ms, peak = _best(runs, "ms"), _best(runs, "peak_mib")
+    if ms is None:
+        return next((run["error"] for run in runs if run.get("error")), "")[:60]
+    return f"{ms:.4f} / {peak:.2f}"
+
+
+def markdown(report: dict) -> str:
+    rows = []
+    for shape in report["shapes"]:
+        cells = shape["cells"]
+        unified, lowmem = _best(cells["unified"], "ms"), _best(cells["lowmem"], "ms")
+        speedup = verdict = ""
+        if unified and lowmem:
+            speedup = f"{unified / lowmem:.2f}x"
+            verdict = "yes" if (lowmem < unified) == (shape["auto"] == "lowmem") else "no"
+        errors = [run["grad_err"] for runs in cells.values() for run in runs if "grad_err" in run]
+        worst = max(errors, default=None)
+        flag = "" if worst is None or worst < GRADIENT_TOLERANCE else " (over 2e-2)"
+        nq, nd, lq, ld, d = shape["dims"]
+        rows.append([shape["name"], f"{nq}, {nd}, {lq}, {ld}, {d}", _cell(cells["unified"]),
+                     _cell(cells["lowmem"]), speedup, shape["auto"], verdict,
+                     "" if worst is None else f"{worst:.1e}{flag}"])  # fmt: skip
+    headers = ["in-batch step", "Nq, Nd, Lq, Ld, d", "unified ms / MiB", "lowmem ms / MiB",
+               "lowmem speedup", "auto takes", "auto's the faster",
+               "max gradient error"]  # fmt: skip
+    env = report["env"]
+    keys = ("each key autotuned on its first step" if report["autotune"]
+            else "committed entries or heuristic defaults (LIK_AUTOTUNE=0)")  # fmt: skip
+    return (f"# Training steps: unified or lowmem backward, and auto's pick, on "
+            f"{report['gpu']}\n\n{env['date']}; commit {env['commit']}; torch {env['torch']}, "
+            f"Triton {env['triton']}.\n\nForward, a fixed weighting of the scores and backward "
+            "to Q and D, bf16 unit-norm tokens, captured in a CUDA graph and replayed (median "
+            "ms of do_bench; the best of the rounds, the strategies alternated); peak MiB "
+            f"above the inputs during one step, gradients included; keys: {keys}. auto takes "
+            f"unified for in-batch calls whose one side is {report['lopsided']} or more times "
+            "the other, else lowmem (lik.runtime.api.choose_backward). Gradient error: "
+            "relative to float64.\n\n" + markdown_table(headers, rows) + "\n")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--autotune", action="store_true", help="let each key sweep once")
+    args = parser.parse_args(argv)
+    if missing_gpu("bench_backward"):
+        return 2
+    if not args.autotune:
+        os.environ["LIK_AUTOTUNE"] = "0"  # read per call: set before the first step
+    report = run(args.rounds, TIMING["quick" if args.quick else "full"], args.autotune)
+    text = markdown(report)
+    write_results(args.out, f"backward_strategies_{gpu_tag(report['gpu'])}", report, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
