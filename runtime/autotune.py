@@ -248,17 +248,20 @@ def _outputs(result) -> tuple[torch.Tensor, ...]:
 def agreement(dtype: torch.dtype) -> float:
     """How far two configs' outputs may differ (relative): 1e-3, or two units in the last
     place of a 16-bit output (the dense grad_D sums its rows in tile-sized groups, so
-    another BLOCK_L rounds a few elements to the neighbouring bf16 value). Call-time
-    sweeps and `make tune` both check configs against it."""
+    another BLOCK_L rounds a few elements to the neighbouring bf16 value); see agree."""
     if dtype.is_floating_point:
         return max(1e-3, 2 * torch.finfo(dtype).eps)
     return 1e-3
 
 
-def _agree(outputs, reference) -> bool:
-    """Outputs within agreement() of the reference's (1e-3 absolute), NaN where it is."""
+def agree(outputs, reference, *, tolerance: float | None = None, equal_nan=False) -> bool:
+    """Whether a config's outputs match the reference config's: within agreement() of
+    each output's dtype and 1e-3 absolute, or `tolerance` for both where given; equal_nan:
+    NaN where the reference has NaN (a call-time sweep's inputs may score NaN, a pair
+    list's bad index). Call-time sweeps and `make tune` both check configs with it."""
     return all(
-        torch.allclose(o.float(), r.float(), rtol=agreement(r.dtype), atol=1e-3, equal_nan=True)
+        torch.allclose(o.float(), r.float(), rtol=tolerance or agreement(r.dtype),
+                       atol=tolerance or 1e-3, equal_nan=equal_nan)  # fmt: skip
         for o, r in zip(outputs, reference, strict=True)
     )
 
@@ -280,7 +283,7 @@ def sweep(key, entries: list[dict], run, device: torch.device, shape: str,
             outputs = _outputs(run(entry))  # compiled by now: not timed
             if reference is None:
                 reference = outputs
-            elif not _agree(outputs, reference):
+            elif not agree(outputs, reference, equal_nan=True):
                 log.warning("autotune %s: %s left out, its outputs differ from the first "
                             "config's that ran", key.table_key(), entry)  # fmt: skip
                 continue

@@ -245,11 +245,7 @@ def time_config(run, config, reference, quick: bool, graph: bool = False,
         torch.cuda.synchronize()
     except Exception as error:  # noqa: BLE001 - a config that does not fit is skipped
         return None, None, f"does not launch: {type(error).__name__}"
-    if reference is not None and not all(
-        torch.allclose(o.float(), r.float(), rtol=tolerance or autotune.agreement(r.dtype),
-                       atol=tolerance or 1e-3)  # fmt: skip
-        for o, r in zip(outputs, reference, strict=True)
-    ):
+    if reference is not None and not autotune.agree(outputs, reference, tolerance=tolerance):
         return None, None, "results differ from the first config's"
     if graph:
         ms = autotune.graph_ms(lambda: run(config), rep_ms=40 if quick else 100)

@@ -234,3 +234,17 @@ def test_a_sweeps_candidates_compile_side_by_side_each_launched_once():
     assert launched[0] == (16, True)  # the first on the calling thread, before any other
     assert sorted(block_l for block_l, _ in launched) == [16, 32, 64, 128, 256]
     assert not any(main for _, main in launched[1:])  # the rest from the pool
+
+
+def test_configs_agree_within_two_bf16_units_or_the_given_tolerance():
+    # One check for call-time sweeps and make tune: two units in the last place of a
+    # bf16 output, 1e-3 of an fp32 one; a tolerance where a sweep gives one; NaN only
+    # where asked (a call-time sweep's NaN scores).
+    ref = torch.tensor([1.0, 2.0, 4.0])
+    bf16 = ref.bfloat16()
+    two_units = (ref * (1 + 2 * torch.finfo(torch.bfloat16).eps)).bfloat16()
+    assert autotune.agree((two_units,), (bf16,))
+    assert not autotune.agree((ref * 1.01,), (ref,))
+    assert autotune.agree((ref * 1.01,), (ref,), tolerance=2e-2)
+    nan = torch.tensor([float("nan"), 1.0])
+    assert not autotune.agree((nan,), (nan,)) and autotune.agree((nan,), (nan,), equal_nan=True)
