@@ -2,7 +2,7 @@
 backward="auto" picks for each, in one run on one card.
 
 In-batch (dense) steps from small squares to lopsided batches (one query against a
-thousand docs, hundreds of queries against a few): each step (bench_train.step: scores,
+thousand docs, hundreds of queries against a few): each step (bench_train.measure's: scores,
 a fixed weighting, backward to Q and D) captured in a CUDA graph and replayed (the GPU's
 time alone), its peak memory above the inputs, its gradients against float64. "auto" is
 lik.runtime.api.choose_backward's pick for the shape, and whether it was the faster of
@@ -23,22 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import (  # noqa: E402
     GRADIENT_TOLERANCE,
     TIMING,
-    build,
-    graph_replay,
     make_inputs,
+    measure,
     reference_gradients,
-    step,
 )
 from common import (  # noqa: E402
-    attempt,
-    bench_ms,
     environment_info,
     gpu_name,
     gpu_tag,
     markdown_table,
     missing_gpu,
-    peak_extra_memory_mib,
-    relative_error,
     release_cached_memory,
     write_results,
 )
@@ -62,22 +56,6 @@ SHAPES = [
 STRATEGIES = ("unified", "lowmem")
 
 
-def measure(strategy: str, q, docs, weights, reference, timing) -> dict:
-    """One strategy's step: gradient errors, peak MiB above the inputs, replayed ms."""
-    scores = build(f"lik-{strategy}", "dense")
-    grads, error = attempt(lambda: step(scores, q, docs, weights))
-    if error:
-        return {"error": error}
-    errors = [relative_error(g, r) for g, r in zip(grads, reference, strict=True)]
-    q.grad = docs.grad = None  # the baseline must not hold the previous step's gradients
-    peak, error = attempt(lambda: peak_extra_memory_mib(lambda: step(scores, q, docs, weights)))
-    if error:
-        return {"grad_err": max(errors), "error": error}
-    ms, error = attempt(lambda: bench_ms(graph_replay(scores, q, docs, weights), **timing))
-    q.grad = docs.grad = None
-    return {"grad_err": max(errors), "peak_mib": peak, "ms": ms, "error": error}
-
-
 def run(rounds: int, timing: dict, autotune: bool) -> dict:
     from lik.runtime.api import LOPSIDED, choose_backward
 
@@ -91,11 +69,12 @@ def run(rounds: int, timing: dict, autotune: bool) -> dict:
         cells = {strategy: [] for strategy in STRATEGIES}
         for round_ in range(rounds):  # alternated: each round in the other order
             for strategy in STRATEGIES[:: 1 if round_ % 2 == 0 else -1]:
-                cells[strategy].append(measure(strategy, q, docs, weights, reference, timing))
+                result = measure(f"lik-{strategy}", "dense", q, docs, weights, reference, timing)
+                cells[strategy].append(result)
                 release_cached_memory()
         record = {"name": name, "dims": [nq, nd, lq, ld, 128], "cells": cells,
                   "auto": choose_backward("auto", "dense", nq, nd)}  # fmt: skip
-        print(f"[{name}] " + "; ".join(f"{s} {_best(cells[s], 'ms')} ms" for s in STRATEGIES)
+        print(f"[{name}] " + "; ".join(f"{s} {_best(cells[s], 'graph_ms')} ms" for s in STRATEGIES)
               + f"; auto takes {record['auto']}", flush=True)  # fmt: skip
         report["shapes"].append(record)
         del q, docs, weights, reference
@@ -110,9 +89,10 @@ def _best(runs: list[dict], field: str) -> float | None:
 
 
 def _cell(runs: list[dict]) -> str:
-    ms, peak = _best(runs, "ms"), _best(runs, "peak_mib")
-    if ms is None:
-        return next((run["error"] for run in runs if run.get("error")), "")[:60]
+    ms, peak = _best(runs, "graph_ms"), _best(runs, "peak_mib")
+    if ms is None or peak is None:
+        failures = (run.get("graph_error") or run.get("error") for run in runs)
+        return next((failure for failure in failures if failure), "")[:60]
     return f"{ms:.4f} / {peak:.2f}"
 
 
@@ -120,12 +100,13 @@ def markdown(report: dict) -> str:
     rows = []
     for shape in report["shapes"]:
         cells = shape["cells"]
-        unified, lowmem = _best(cells["unified"], "ms"), _best(cells["lowmem"], "ms")
+        unified, lowmem = _best(cells["unified"], "graph_ms"), _best(cells["lowmem"], "graph_ms")
         speedup = verdict = ""
         if unified and lowmem:
             speedup = f"{unified / lowmem:.2f}x"
             verdict = "yes" if (lowmem < unified) == (shape["auto"] == "lowmem") else "no"
-        errors = [run["grad_err"] for runs in cells.values() for run in runs if "grad_err" in run]
+        errors = [run[field] for runs in cells.values() for run in runs
+                  for field in ("grad_q_err", "grad_d_err") if field in run]  # fmt: skip
         worst = max(errors, default=None)
         flag = "" if worst is None or worst < GRADIENT_TOLERANCE else " (over 2e-2)"
         nq, nd, lq, ld, d = shape["dims"]

@@ -115,12 +115,14 @@ def test_bench_backward_report_names_auto_s_pick_and_whether_it_was_the_faster()
         return {"name": name, "dims": dims, "auto": auto,
                 "cells": {"unified": unified, "lowmem": lowmem}}  # fmt: skip
 
-    fast, slow = {"ms": 0.02, "peak_mib": 1.3, "grad_err": 4e-3, "error": None}, {
-        "ms": 0.05, "peak_mib": 3.9, "grad_err": 5e-3, "error": None}  # fmt: skip
+    fast = {"graph_ms": 0.02, "peak_mib": 1.3, "grad_q_err": 4e-3, "grad_d_err": 1e-3,
+            "error": None, "graph_error": None}  # fmt: skip
+    slow = {**fast, "graph_ms": 0.05, "peak_mib": 3.9, "grad_d_err": 5e-3}
     dims = [32, 300, 128]
+    faster = {**fast, "graph_ms": 0.03}
     report = {"env": env, "gpu": "GPU", "autotune": False, "lopsided": 64, "shapes": [
-        shape("16 x 16", [16, 16, *dims], "lowmem", [slow, slow], [fast, {**fast, "ms": 0.03}]),
-        shape("256 x 8", [256, 8, *dims], "lowmem", [fast], [{**slow, "grad_err": 0.1}]),
+        shape("16 x 16", [16, 16, *dims], "lowmem", [slow, slow], [fast, faster]),
+        shape("256 x 8", [256, 8, *dims], "lowmem", [fast], [{**slow, "grad_q_err": 0.1}]),
         shape("1 x 1000", [1, 1000, *dims], "unified", [fast], [{"error": "OutOfMemory"}]),
     ]}  # fmt: skip
     lines = bench_backward.markdown(report).splitlines()
