@@ -2,12 +2,14 @@
 backward="auto" picks for each, in one run on one card.
 
 In-batch (dense) steps from small squares to lopsided batches (one query against a
-thousand docs, hundreds of queries against a few): each step (bench_train.measure's: scores,
-a fixed weighting, backward to Q and D) captured in a CUDA graph and replayed (the GPU's
-time alone), its peak memory above the inputs, its gradients against float64. "auto" is
-lik.runtime.api.choose_backward's pick for the shape, and whether it was the faster of
-the two there. Keys take their committed entries or the heuristic defaults
-(LIK_AUTOTUNE=0) unless --autotune, where each key sweeps on its first step.
+thousand docs, hundreds of queries against a few), and ragged in-batch steps (varlen:
+packed queries of 16-32 tokens and docs of 50-300, maxsim_varlen): each step
+(bench_train.measure's: scores, a fixed weighting, backward to Q and D) captured in a CUDA
+graph and replayed (the GPU's time alone), its peak memory above the inputs, its
+gradients against float64. "auto" is lik.runtime.api.choose_backward's pick for the
+shape, and whether it was the faster of the two there. Keys take their committed entries
+or the heuristic defaults (LIK_AUTOTUNE=0) unless --autotune, where each key sweeps on its
+first step.
 
     python3 benchmarks/bench_backward.py --out DIR [--rounds 2] [--quick] [--autotune]
 """
@@ -18,6 +20,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import (  # noqa: E402
@@ -33,6 +37,7 @@ from common import (  # noqa: E402
     gpu_tag,
     markdown_table,
     missing_gpu,
+    normalized_tokens,
     release_cached_memory,
     write_results,
 )
@@ -53,7 +58,66 @@ SHAPES = [
     ("1 x 250", 1, 250, 32, 300),
     ("1 x 1000", 1, 1000, 32, 300),
 ]
+# (name, Nq, Nd, (shortest, longest) query, (shortest, longest) doc) of ragged steps, d 128.
+RAGGED_SHAPES = [
+    ("varlen 16 x 16", 16, 16, (16, 32), (50, 300)),
+    ("varlen 32 x 32", 32, 32, (16, 32), (50, 300)),
+    ("varlen 64 x 64", 64, 64, (16, 32), (50, 300)),
+    ("varlen 128 x 128", 128, 128, (16, 32), (50, 300)),
+    ("varlen 256 x 8", 256, 8, (16, 32), (50, 300)),
+    ("varlen 1 x 1000", 1, 1000, (16, 32), (50, 300)),
+]
 STRATEGIES = ("unified", "lowmem")
+
+
+def ragged_inputs(nq, nd, q_range, d_range, seed):
+    """Packed unit-norm tokens, their int32 offsets and the scores' weights, with each
+    sequence's length drawn from its range."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = {}
+    for side, count, (low, high) in (("q", nq, q_range), ("d", nd, d_range)):
+        lengths = torch.randint(low, high + 1, (count,), generator=generator)
+        tokens = normalized_tokens(1, int(lengths.sum()), 128, device="cuda", seed=seed)[0]
+        offsets = torch.zeros(count + 1, dtype=torch.int32)
+        offsets[1:] = lengths.cumsum(0)
+        batch[side] = (tokens, offsets.cuda(), int(lengths.max()))
+        seed += 1
+    weights = torch.randn(nq, nd, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    return batch, weights
+
+
+def ragged_scores(strategy, batch):
+    from lik.runtime import maxsim_varlen
+
+    (_, cu_q, max_q), (_, cu_d, max_d) = batch["q"], batch["d"]
+    return lambda q, docs: maxsim_varlen(q, docs, cu_q, cu_d, max_q, max_d, backward=strategy)
+
+
+def ragged_reference(batch, weights):
+    from lik.runtime.reference import score_pairs_packed_reference
+
+    (q, cu_q, _), (docs, cu_d, _) = batch["q"], batch["d"]
+    q64 = q.detach().double().requires_grad_()
+    d64 = docs.detach().double().requires_grad_()
+    scores = score_pairs_packed_reference(q64, d64, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d,
+                                          layout="varlen")  # fmt: skip
+    (scores * weights.double()).sum().backward()
+    return q64.grad, d64.grad
+
+
+def _steps():
+    """(name, layout, dims, q, docs, weights, reference, scores per strategy) per step."""
+    for name, nq, nd, lq, ld in SHAPES:
+        q, docs, weights = make_inputs("dense", nq, nd, lq, ld, 128, seed=11)
+        reference = reference_gradients(q, docs, weights, "dense")
+        yield name, "dense", [nq, nd, lq, ld, 128], q, docs, weights, reference, {}
+    for name, nq, nd, q_range, d_range in RAGGED_SHAPES:
+        batch, weights = ragged_inputs(nq, nd, q_range, d_range, seed=11)
+        q, docs = batch["q"][0], batch["d"][0]
+        reference = ragged_reference(batch, weights)
+        scores = {strategy: ragged_scores(strategy, batch) for strategy in STRATEGIES}
+        dims = [nq, nd, "-".join(map(str, q_range)), "-".join(map(str, d_range)), 128]
+        yield name, "varlen", dims, q, docs, weights, reference, scores
 
 
 def run(rounds: int, timing: dict, autotune: bool) -> dict:
@@ -61,19 +125,19 @@ def run(rounds: int, timing: dict, autotune: bool) -> dict:
 
     report = {"env": environment_info(), "gpu": gpu_name(), "autotune": autotune,
               "lopsided": LOPSIDED, "shapes": []}  # fmt: skip
-    for name, nq, nd, lq, ld in SHAPES:
-        q, docs, weights = make_inputs("dense", nq, nd, lq, ld, 128, seed=11)
+    for name, layout, dims, q, docs, weights, reference, scores in _steps():
         q.requires_grad_()
         docs.requires_grad_()
-        reference = reference_gradients(q, docs, weights, "dense")
         cells = {strategy: [] for strategy in STRATEGIES}
         for round_ in range(rounds):  # alternated: each round in the other order
             for strategy in STRATEGIES[:: 1 if round_ % 2 == 0 else -1]:
-                result = measure(f"lik-{strategy}", "dense", q, docs, weights, reference, timing)
+                result = measure(f"lik-{strategy}", layout, q, docs, weights, reference, timing,
+                                 scores=scores.get(strategy))  # fmt: skip
                 cells[strategy].append(result)
                 release_cached_memory()
-        record = {"name": name, "dims": [nq, nd, lq, ld, 128], "cells": cells,
-                  "auto": choose_backward("auto", "dense", nq, nd)}  # fmt: skip
+        nq, nd = dims[:2]
+        record = {"name": name, "layout": layout, "dims": dims, "cells": cells,
+                  "auto": choose_backward("auto", layout, nq, nd)}  # fmt: skip
         print(f"[{name}] " + "; ".join(f"{s} {_best(cells[s], 'graph_ms')} ms" for s in STRATEGIES)
               + f"; auto takes {record['auto']}", flush=True)  # fmt: skip
         report["shapes"].append(record)
@@ -126,8 +190,10 @@ def markdown(report: dict) -> str:
             "ms of do_bench; the best of the rounds, the strategies alternated); peak MiB "
             f"above the inputs during one step, gradients included; keys: {keys}. auto takes "
             f"unified for in-batch calls whose one side is {report['lopsided']} or more times "
-            "the other, else lowmem (lik.runtime.api.choose_backward). Gradient error: "
-            "relative to float64.\n\n" + markdown_table(headers, rows) + "\n")  # fmt: skip
+            "the other, else lowmem (lik.runtime.api.choose_backward). varlen rows: packed "
+            "sequences of random lengths in the ranges given (maxsim_varlen with both "
+            "bounds). Gradient error: relative to float64.\n\n"
+            + markdown_table(headers, rows) + "\n")  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -126,10 +126,14 @@ def reference_gradients(q, docs, weights, layout):
     return q64.grad, d64.grad
 
 
-def measure(key, layout, q, docs, weights, reference, timing) -> dict:
-    scores, error = attempt(lambda: build(key, layout))
-    if error:
-        return {"error": error}
+def measure(key, layout, q, docs, weights, reference, timing, scores=None) -> dict:
+    """One implementation's step: gradient check, then timings and peak memory. `scores`
+    (q, docs) -> scores replaces build(key, layout) where a caller scores another way
+    (packed ragged batches)."""
+    if scores is None:
+        scores, error = attempt(lambda: build(key, layout))
+        if error:
+            return {"error": error}
     grads, error = attempt(lambda: step(scores, q, docs, weights))
     if error:
         return {"error": error}

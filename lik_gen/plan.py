@@ -244,8 +244,8 @@ def _formula(name: str, expr: sympy.Expr, params: tuple[str, ...], doc: str) -> 
 
 
 # Sizes named as the launcher names them.
-Nq, Nd, K, B, P, Lq, Ld, n_rows = sympy.symbols(
-    "Nq Nd K B P Lq Ld n_rows", integer=True, positive=True
+Nq, Nd, K, B, P, Lq, Ld, n_rows, total_d = sympy.symbols(
+    "Nq Nd K B P Lq Ld n_rows total_d", integer=True, positive=True
 )
 BLOCK_Q, BLOCK_L, BLOCK_K, BLOCK_N, BLOCK_R, QUERY_GROUP, num_stages = sympy.symbols(
     "BLOCK_Q BLOCK_L BLOCK_K BLOCK_N BLOCK_R QUERY_GROUP num_stages", integer=True, positive=True
@@ -313,11 +313,14 @@ _KERNEL_SIZES = {
     "bwd": {Layout.DENSE: ("Nq", "Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",),
             Layout.VARLEN: ("Nq", "Nd", "total_q"),
             Layout.PACKED_PAIRS: ("Nq", "Nd", "total_q")},
-    "bwd_q": {Layout.DENSE: ("Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",)},
+    "bwd_q": {Layout.DENSE: ("Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",),
+              Layout.VARLEN: ("Nd", "Lq", "total_q")},
     "bwd_d": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
-              Layout.PAIRS: ("Lq", "Ld")},
-    "bwd_route": {Layout.DENSE: ("Nq", "Lq", "Ld")},
+              Layout.PAIRS: ("Lq", "Ld"), Layout.VARLEN: ("Nq", "Nd", "Lq")},
+    "bwd_route": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.VARLEN: ("Nq", "Nd", "Lq", "total_d")},
 }  # fmt: skip
+# Ragged launchers have no Lq: the lowmem kernels' query-token bound is max_seqlen_q.
+_RAGGED_SIZE_EXPR = {"Lq": "max_seqlen_q"}
 
 
 def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
@@ -326,12 +329,13 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
     shape = _LAYOUT[layout]
     doc_axes, pair_axes, q_axes = shape["doc_axes"], shape["pair_axes"], shape["q_axes"]
     ragged = [KernelArg(name, name) for name in shape["ragged"]]
+    size_expr = _RAGGED_SIZE_EXPR if ragged else {}
 
     def sizes(kernel: str) -> list[KernelArg]:
         names = _KERNEL_SIZES[kernel].get(layout, ())
         if kernel == "fwd" and (variant.op is Op.TOPK or streams_docs(variant)):
             names = ("Nq", "Nd", "Lq", "Ld")  # blocks of docs end at Nd
-        return [KernelArg(s, s) for s in names + ("dim",)]
+        return [KernelArg(s, size_expr.get(s, s)) for s in names + ("dim",)]
 
     q, q_strides = [KernelArg("Q", "Q")], _strides("q", "Q", q_axes)
     d, d_strides = [KernelArg("D", "D")], _strides("d", "D", doc_axes)
@@ -390,17 +394,22 @@ def _kernel_args(variant: Variant) -> dict[str, tuple[KernelArg, ...]]:
             "fwd": tuple(fwd + sizes("fwd") + fwd_strides),
             **_recompute_args(variant, weights, tau, saved, saved_strides),
         }
-    bwd_q_inputs = (q if normalize else []) + d + grad + argmax
+    bwd_q_inputs = (q if normalize else []) + d + ragged + grad + argmax
     bwd_q_strides = (q_strides if normalize else []) + d_strides
-    bwd_d_inputs = q + (d if normalize else []) + grad + argmax
+    bwd_d_inputs = q + (d if normalize else []) + ragged + grad + argmax
     bwd_d_strides = q_strides + (d_strides if normalize else [])
-    # Dense grad_D reads the winner lists a route pass writes (lowmem.py.j2).
+    # Dense and varlen grad_D read the winner lists a route pass writes (lowmem.py.j2);
+    # varlen's route pass also finds each program's doc and first token (tile_doc,
+    # tile_first) from the doc offsets.
     route, route_args = [], ()
     if routes_grad_d(variant):
+        tile_map = [KernelArg("TileDoc", "tile_doc"), KernelArg("TileFirst", "tile_first")]
         route = [KernelArg("Route", "route"), KernelArg("RouteStart", "route_start"),
-                 KernelArg("RouteCount", "route_count")]  # fmt: skip
-        route_sizes = [KernelArg(s, s) for s in _KERNEL_SIZES["bwd_route"][layout]]
-        route_args = tuple(argmax + route + route_sizes + argmax_strides)
+                 KernelArg("RouteCount", "route_count")] + (tile_map if ragged else [])  # fmt: skip
+        route_names = _KERNEL_SIZES["bwd_route"][layout]
+        route_sizes = [KernelArg(s, size_expr.get(s, s)) for s in route_names]
+        doc_offsets = [KernelArg("cu_seqlens_d", "cu_seqlens_d")] if ragged else []
+        route_args = tuple(argmax + doc_offsets + route + route_sizes + argmax_strides)
     return {
         "bwd_route": route_args,
         "fwd": tuple(fwd + sizes("fwd") + fwd_strides),
@@ -447,8 +456,8 @@ def _recompute_args(variant, weights, tau, saved, saved_strides):
 
 
 def routes_grad_d(variant: Variant) -> bool:
-    """Whether the lowmem grad_D reads winner lists from a route pass (Triton, dense, max):
-    every query scores every doc, so a one-hot tile over whole queries would be mostly
+    """Whether the lowmem grad_D reads winner lists from a route pass (Triton, dense or
+    varlen, max): every query scores every doc, so a one-hot tile over whole queries would be mostly
     zeros. Metal keeps its own one-query-at-a-time loop."""
     return (
         variant.target is Target.TRITON
@@ -558,7 +567,19 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
                     "Programs of the Jacobian pass.",
                 )
             )
-    if variant.backward is Backward.LOWMEM:
+    if variant.backward is Backward.LOWMEM and variant.layout is Layout.VARLEN:
+        formulas.append(_lowmem_q_grid(variant, queries))
+        # Docs of n tokens take cdiv(n, BLOCK_L) programs each: at most this many for
+        # disjoint docs within the packed tokens; the programs past the last tile idle.
+        formulas.append(
+            _formula(
+                "lowmem_d_grid",
+                sympy.Tuple(sympy.ceiling(total_d / BLOCK_L) + Nd),
+                ("Nd", "total_d", "BLOCK_L"),
+                "Programs of grad_D: one per (doc, block of its tokens), and a few to spare.",
+            )
+        )
+    elif variant.backward is Backward.LOWMEM:
         formulas.append(_lowmem_q_grid(variant, queries))
         doc_count = shape["doc_count"]
         params = tuple(sorted(str(s) for s in doc_count.free_symbols)) + ("Ld", "BLOCK_L")
@@ -653,6 +674,8 @@ def plan(variant: Variant):
               "DOC_SPLITS": "config.doc_splits"}  # fmt: skip
     # Tensors the runtime hands to launch() and backward() by keyword, after Q and D.
     ragged = shape["ragged"]
+    if ragged:
+        blocks.update(_RAGGED_SIZE_EXPR)
     launcher_args = ["Q", "D", *ragged]
     if plan_fp8.is_scaled(variant):
         launcher_args += [expr for _, expr, _, _ in plan_fp8.SCALE_TENSORS]

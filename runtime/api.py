@@ -29,11 +29,16 @@ def choose_backward(backward: str | None, layout: str, nq: int, nd: int) -> str:
     to 64 x 64, 256 x 16), mixed from 32 to 64 times (256 x 8 1.16x slower, 16 x 1000
     1.12x faster), slower beyond (1 x 1000 1.7x, 256 x 2 1.8x; 1 x 250 the exception),
     where its per-query grad_Q or per-doc grad_D has too few owners to spread
-    (benchmarks/results/auto_backward_H200.md). kd and pairs: lowmem.
+    (benchmarks/results/auto_backward_H200.md). kd and pairs: lowmem. varlen (ragged
+    in-batch) follows dense: lowmem 1.4-1.8x faster from 16 x 16 to 128 x 128 sequences,
+    1.26x slower at 256 x 8, 2.3x slower at 1 x 1000 (backward_strategies_H200.md). A
+    pair list (packed_pairs) has only unified.
     """
+    if layout == "packed_pairs":
+        return "unified"
     if backward in ("unified", "lowmem"):
         return backward
-    if layout == "dense" and max(nq, nd) >= LOPSIDED * min(nq, nd):
+    if layout in ("dense", "varlen") and max(nq, nd) >= LOPSIDED * min(nq, nd):
         return "unified"
     return "lowmem"
 

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from lik.runtime import dispatch, validate, workspace
+from lik.runtime.api import choose_backward
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
 
@@ -185,12 +186,15 @@ class _Ragged(torch.autograd.Function):
         return grad_q, grad_d, None, None, None, None, None
 
 
-def _score(layout, Q, D, tensors, bound, normalize):
+def _score(layout, Q, D, tensors, bound, normalize, backward):
     if dispatch.backend(Q.device) == "reference":
         return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize, **tensors)
-    needs_grad = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
-    return _Ragged.apply(Q, D, tensors, layout, bound, normalize,
-                         "unified" if needs_grad else "none")  # fmt: skip
+    strategy = "none"
+    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+        queries = tensors["cu_seqlens_q"].shape[0] - 1
+        docs = tensors["cu_seqlens_d"].shape[0] - 1
+        strategy = choose_backward(backward, layout, queries, docs)
+    return _Ragged.apply(Q, D, tensors, layout, bound, normalize, strategy)
 
 
 def maxsim_varlen(
@@ -202,17 +206,20 @@ def maxsim_varlen(
     max_seqlen_d: int | None = None,
     *,
     normalize: bool = False,
+    backward: str | None = None,
 ) -> torch.Tensor:
     """MaxSim of every packed query against every packed doc -> [Nq, Nd] fp32.
 
     Q_packed [sum Lq, d], D_packed [sum Ld, d]; cu_seqlens_* int32 [N + 1]. An empty
-    query or document scores 0 and gets zero gradient. Autograd-aware.
+    query or document scores 0 and gets zero gradient. Autograd-aware; `backward` as for
+    maxsim (None/"auto", "unified", "lowmem").
     """
+    validate.backward_choice(backward)
     Q, D, cu_q, cu_d = _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d)
     bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], max_seqlen_q, max_seqlen_d)
     _check_query_bound(bound)
     tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d}
-    return _score("varlen", Q, D, tensors, bound, normalize)
+    return _score("varlen", Q, D, tensors, bound, normalize, backward)
 
 
 def score_pairs_packed(
@@ -244,7 +251,7 @@ def score_pairs_packed(
     _check_query_bound(bound)
     tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d, "pair_q_idx": q_idx,
                "pair_d_idx": d_idx}  # fmt: skip
-    return _score("packed_pairs", Q, D, tensors, bound, normalize)
+    return _score("packed_pairs", Q, D, tensors, bound, normalize, "unified")
 
 
 def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device) -> torch.Tensor:

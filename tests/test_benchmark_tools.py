@@ -124,6 +124,7 @@ def test_bench_backward_report_names_auto_s_pick_and_whether_it_was_the_faster()
         shape("16 x 16", [16, 16, *dims], "lowmem", [slow, slow], [fast, faster]),
         shape("256 x 8", [256, 8, *dims], "lowmem", [fast], [{**slow, "grad_q_err": 0.1}]),
         shape("1 x 1000", [1, 1000, *dims], "unified", [fast], [{"error": "OutOfMemory"}]),
+        shape("varlen 8 x 8", [8, 8, "16-32", "50-300", 128], "lowmem", [slow], [fast]),
     ]}  # fmt: skip
     lines = bench_backward.markdown(report).splitlines()
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.strip("|").split("|")]
@@ -133,6 +134,8 @@ def test_bench_backward_report_names_auto_s_pick_and_whether_it_was_the_faster()
     assert rows["256 x 8"][4:7] == ["0.40x", "lowmem", "no"]
     assert rows["256 x 8"][7] == "1.0e-01 (over 2e-2)"
     assert rows["1 x 1000"][3:7] == ["OutOfMemory", "", "unified", ""]
+    assert rows["varlen 8 x 8"][1:5] == ["8, 8, 16-32, 50-300, 128", "0.0500 / 3.90",
+                                         "0.0200 / 1.30", "2.50x"]  # fmt: skip
     assert "(LIK_AUTOTUNE=0)" in bench_backward.markdown(report)
 
 

@@ -71,6 +71,66 @@ def test_varlen_forward_and_gradients(dtype, normalize):
     _check((out, gq, gd), ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_varlen_lowmem_gradients(dtype, normalize):
+    """Docs of 0-70 tokens span up to three 32-token tiles (the interpreter's) or two 64-
+    token ones, so grad_D's tile map and winner lists cross tile and doc boundaries."""
+    Q, D, cu_q, cu_d = _batch(13, 5, 7, dim=40, dtype=dtype)
+
+    def score(q, d):
+        return maxsim_varlen(q, d, cu_q, cu_d, normalize=normalize, backward="lowmem")
+
+    out, gq, gd, w = _grads(score, Q, D)
+    ref = _reference_grads(Q, D, w, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d, layout="varlen",
+                           normalize=normalize)  # fmt: skip
+    _check((out, gq, gd), ref, dtype)
+    assert gq.dtype == dtype and gd.dtype == dtype  # written by their owners, no fp32 buffer
+    assert torch.equal(_grads(score, Q, D)[2], gd)  # no atomics: bitwise repeatable
+
+
+def test_varlen_lowmem_with_one_query_against_many_docs():
+    Q, D, cu_q, cu_d = _batch(14, 1, 40, max_len=9)
+    cu_q = _offsets([9])
+    Q = torch.randn(9, 24, device=DEVICE)
+    out, gq, gd, w = _grads(
+        lambda q, d: maxsim_varlen(q, d, cu_q, cu_d, backward="lowmem"), Q, D
+    )
+    ref = _reference_grads(Q, D, w, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d, layout="varlen")
+    _check((out, gq, gd), ref, torch.float32)
+
+
+def test_varlen_lowmem_leaves_tokens_outside_valid_sequences_at_zero():
+    """With the bounds given nothing is validated on the host: a doc past the packed
+    tokens scores NaN, and the tokens no valid sequence covers get no gradient."""
+    g = torch.Generator().manual_seed(15)
+    Q = torch.randn(12, 16, generator=g).to(DEVICE)
+    D = torch.randn(30, 16, generator=g).to(DEVICE)
+    cu_q = torch.tensor([0, 5, 9], dtype=torch.int32, device=DEVICE)  # tokens 9-11 unused
+    cu_d = torch.tensor([0, 10, 20, 40], dtype=torch.int32, device=DEVICE)  # doc 2: past 30
+    Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    out = maxsim_varlen(Qg, Dg, cu_q, cu_d, 5, 20, backward="lowmem")
+    assert torch.isnan(out[:, 2]).all() and not torch.isnan(out[:, :2]).any()
+    weights = torch.randn(2, 2, generator=g).to(DEVICE)
+    (out[:, :2] * weights).sum().backward()
+    assert torch.all(Qg.grad[9:] == 0) and torch.all(Dg.grad[20:] == 0)
+    want = _reference_grads(Q[:9], D[:20], weights, layout="varlen", cu_seqlens_q=cu_q,
+                            cu_seqlens_d=cu_d[:3])  # fmt: skip
+    _check((Qg.grad[:9], Dg.grad[:20]), want[1:], torch.float32)
+
+
+def test_varlen_backward_choice():
+    from lik.runtime.api import LOPSIDED, choose_backward
+
+    assert choose_backward(None, "varlen", 32, 32) == "lowmem"
+    assert choose_backward("auto", "varlen", 1, LOPSIDED) == "unified"
+    assert choose_backward("unified", "varlen", 32, 32) == "unified"
+    assert choose_backward(None, "packed_pairs", 32, 32) == "unified"
+    Q, D, cu_q, cu_d = _batch(16, 2, 2)
+    with pytest.raises(ValueError, match="backward must be one of"):
+        maxsim_varlen(Q, D, cu_q, cu_d, backward="fast")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_packed_pairs_forward_and_gradients(dtype, normalize):
@@ -224,8 +284,9 @@ def test_pack_padded_validate_rejects_long_lengths():
 
 
 def test_variants_exist_for_every_ragged_call():
-    for layout in ("varlen", "packedpairs"):
-        for suffix in ("", "_unified"):
+    for layout, backwards in (("varlen", ("", "_unified", "_lowmem")),
+                              ("packedpairs", ("", "_unified"))):  # fmt: skip
+        for suffix in backwards:
             assert f"maxsim_{layout}_nomask_bf16_triton_norm{suffix}" in registry.names()
 
 
