@@ -99,6 +99,11 @@ DOC_TILE_CONSTEXPRS = {
 }
 
 
+# Layouts whose forward stacks QUERY_GROUP queries' tokens into one query tile (every
+# query scores every doc): in-batch padded (dense) and in-batch packed (varlen).
+STACKED_LAYOUTS = ("dense", "varlen")
+
+
 @dataclasses.dataclass(frozen=True)
 class RenderContext:
     name: str
@@ -191,7 +196,7 @@ class RenderContext:
         options = ["BLOCK_Q=config.block_q", "BLOCK_L=config.block_l", "BLOCK_K=config.block_k",
                    "DOT_DTYPE=dot_dtype", "INPUT_PRECISION=input_precision",
                    "num_warps=config.num_warps", "num_stages=config.num_stages"]  # fmt: skip
-        if self.layout == "dense":
+        if self.layout in STACKED_LAYOUTS:
             options.append("QUERY_GROUP=config.query_group")
         if self.topk:
             options.append("TOP_K=config.top_k")
@@ -534,7 +539,7 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * blocks * DOC_SPLITS
         grid_params = pair_params + ("QUERY_GROUP", "DOCS_PER_PROGRAM", "DOC_SPLITS")
         grid_doc = "(group of queries, block of documents or token range of one)"
-    elif variant.layout is Layout.DENSE:
+    elif variant.layout.value in STACKED_LAYOUTS:
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * docs
         grid_params, grid_doc = pair_params + ("QUERY_GROUP",), "(group of queries, document)"
     else:

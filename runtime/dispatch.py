@@ -34,6 +34,7 @@ from lik.runtime.tuning import (
     DEFAULT_SMEM_LIMIT,
     SMEM_LIMIT,
     STACKED_ROWS,
+    LaunchConfig,
     committed_source,
     config_for,
     default_config,
@@ -592,9 +593,31 @@ def forward_ragged(
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=backward)
     module = registry.load(name)
     extra = {"argmax": argmax} if argmax is not None else {}
+    # Every packed query scores every doc (varlen): queries stack in the query tile.
+    adjust = None
+    if layout == "varlen":
+        adjust = functools.partial(stack_ragged_queries, queries=out.shape[0])
     launch_keyed(name, module, Q, max_seqlen_q, out, Q, D, **tensors, max_seqlen_q=max_seqlen_q,
-                 **extra)  # fmt: skip
+                 adjust=adjust, **extra)  # fmt: skip
     return out
+
+
+def stack_ragged_queries(config: LaunchConfig, *, queries: int) -> LaunchConfig:
+    """A varlen forward's config with as many queries per program as fill STACKED_ROWS
+    query rows (BLOCK_Q = max_seqlen_q's bucket each), and the dense default's warps for
+    that tile: 4 up to 32 rows, else 8. Its key has no query count (Q is packed tokens),
+    so the group is set per call, as padded batches' keys would set it."""
+    return _stacked(config, query_bucket(queries))
+
+
+@functools.lru_cache(maxsize=256)
+def _stacked(config: LaunchConfig, queries: int) -> LaunchConfig:
+    # Cached: a replaced dataclass costs a small call's host ~5 us.
+    group = max(1, min(queries, STACKED_ROWS // config.block_q))
+    if group == config.query_group:
+        return config
+    warps = config.num_warps if group * config.block_q <= 32 else max(config.num_warps, 8)
+    return dataclasses.replace(config, query_group=group, num_warps=warps)
 
 
 def backward_ragged(

@@ -31,7 +31,7 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     block_n: int = 8  # docs per program of the unified backward
-    query_group: int = 1  # queries stacked per forward program (dense layout)
+    query_group: int = 1  # queries stacked per forward program (dense and varlen layouts)
     top_k: int = 1  # candidates kept per query and doc block (top-k epilogue)
     docs_per_program: int = 1  # docs each program of a top-k or streaming forward walks
     flat_docs: bool = False  # streaming forward: its docs in one flat (doc, tile) loop

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import TOLERANCE, relative_error
@@ -87,6 +89,39 @@ def test_varlen_lowmem_gradients(dtype, normalize):
     _check((out, gq, gd), ref, dtype)
     assert gq.dtype == dtype and gd.dtype == dtype  # written by their owners, no fp32 buffer
     assert torch.equal(_grads(score, Q, D)[2], gd)  # no atomics: bitwise repeatable
+
+
+@pytest.mark.parametrize("backward", ["unified", "lowmem"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_stacks_short_queries(backward, dtype):
+    """Queries of up to 30 tokens stack four to a program (the last group holds three of
+    seven): scores, argmax and both gradients against float64."""
+    Q, D, cu_q, cu_d = _batch(17, 7, 5, dtype=dtype, max_len=30)
+    D = torch.randn(D.shape[0] * 2, D.shape[1]).to(DEVICE, dtype)  # docs of 0-60 tokens
+    cu_d = cu_d * 2
+
+    def score(q, d):
+        return maxsim_varlen(q, d, cu_q, cu_d, normalize=True, backward=backward)
+
+    out, gq, gd, w = _grads(score, Q, D)
+    ref = _reference_grads(Q, D, w, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d, layout="varlen",
+                           normalize=True)  # fmt: skip
+    _check((out, gq, gd), ref, dtype)
+
+
+def test_stacked_ragged_queries_fill_the_query_tile():
+    from lik.runtime.dispatch import stack_ragged_queries
+    from lik.runtime.tuning import LaunchConfig
+
+    config = LaunchConfig(block_q=32, block_l=64, block_k=128, num_warps=4, num_stages=3)
+    stacked = stack_ragged_queries(config, queries=7)
+    assert (stacked.query_group, stacked.num_warps) == (4, 8)
+    assert stack_ragged_queries(config, queries=1) == config  # one query: nothing to stack
+    short = dataclasses.replace(config, block_q=16)
+    assert stack_ragged_queries(short, queries=100).query_group == 8
+    assert stack_ragged_queries(short, queries=2).num_warps == 4  # 32 rows: the default's 4
+    long = dataclasses.replace(config, block_q=256)
+    assert stack_ragged_queries(long, queries=100).query_group == 1
 
 
 def test_varlen_lowmem_with_one_query_against_many_docs():

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d014b53545927cdcb2322de0f3f67d8c22e597c6a4807df664bc73ccf74c8654
+# body-sha256: bace32312cc15c42075633e1c9264701ce0c7b6dad4d7ab1dd4b431229a23db1
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp16_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -95,8 +95,9 @@ def maxsim_packedpairs_nomask_fp16_triton_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
-    bad = bad | (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    bad = bad | q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     d_len = tl.where(bad, 0, d_len)
 

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: cceb94d2c65d3c925d93d52efda5bd4fcd651dadfea92b64edd01361e1cffd92
+# body-sha256: 4f0a3b8a821e7b57bbb0ee8a0b24f4e22f3c14cca43400b9d216555522700129
 
 """MaxSim forward for maxsim_packedpairs_nomask_fp32_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -95,8 +95,9 @@ def maxsim_packedpairs_nomask_fp32_triton_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
-    bad = bad | (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    bad = bad | q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     d_len = tl.where(bad, 0, d_len)
 

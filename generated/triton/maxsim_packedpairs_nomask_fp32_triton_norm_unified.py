@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: bb24e0d7ef9ce18baf740c4466d135eea303433f21c246bb5476eb5a0a9e510d
+# body-sha256: 2cf81cac5db4ee249e69dd3af5f92426ae236799a51c9093d8fd485194d996e2
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -116,8 +116,9 @@ def maxsim_packedpairs_nomask_fp32_triton_norm_unified_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
-    bad = bad | (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    bad = bad | q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     d_len = tl.where(bad, 0, d_len)
 

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 52607db11e1d153691893c91b0eb54afc99cd76f77b170f372bfc3a05673354b
+# body-sha256: 2fc4014539feae828af803cce1b29fdf4e229eecefe7a512fefa28ec7c1feb1b
 
 """MaxSim forward for maxsim_varlen_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -76,12 +76,22 @@ def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
-    # Queries vary fastest, so programs that run together share a document in L2.
-    query = pid % Nq
-    doc = pid // Nq
+    # QUERY_GROUP queries share each program's doc tiles: their BLOCK_Q-token tiles stack
+    # into one taller matrix operand, so a doc tile is loaded once per group and the
+    # tensor-core tile is QUERY_GROUP times taller than one query's tokens.
+    groups = tl.cdiv(Nq, QUERY_GROUP)
+    group = pid % groups  # groups vary fastest: programs that run together share a doc in L2
+    doc = pid // groups
+    rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
+    query = group * QUERY_GROUP + rows // BLOCK_Q  # one query index per row
+    offs_s = rows % BLOCK_Q
+    # Rows past the last query read its offsets, then count for nothing.
+    query_ok = query < Nq
+    query = tl.minimum(query, Nq - 1)
     q_start = tl.load(cu_seqlens_q + query).to(tl.int64)
     q_len = tl.load(cu_seqlens_q + query + 1).to(tl.int64) - q_start
     q_base = q_start * stride_qs
@@ -93,13 +103,14 @@ def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
-    bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    bad = bad | (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    bad = q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
-    d_len = tl.where(bad, 0, d_len)
+    # Stacked queries (one q_bad per row) share the doc: its loop bound stays one number.
+    d_len = tl.where(d_bad, 0, d_len)
 
-    offs_s = tl.arange(0, BLOCK_Q)
-    q_in_range = offs_s < q_len
+    q_in_range = (offs_s < q_len) & query_ok
     offs_k = tl.arange(0, BLOCK_K)
     q = tl.load(
         Q + (q_base + offs_s * stride_qs)[:, None] + offs_k[None, :] * stride_qk,
@@ -110,7 +121,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     q_scale = _inv_l2_norm(q.to(tl.float32))
     q = q.to(DOT_DTYPE)
 
-    best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
@@ -125,9 +136,12 @@ def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
     scored = q_valid & (best != float("-inf"))
     best = tl.where(scored, best, 0.0)
-    score = tl.sum(best, axis=0)
-    score = tl.where(bad, float("nan"), score)
-    tl.store(Out + query * stride_ob + doc * stride_oc, score)
+    scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
+    group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
+    # bad holds each row's query and the doc: a query's rows agree, so any one of them.
+    query_bad = tl.max(tl.reshape(bad.to(tl.int32), [QUERY_GROUP, BLOCK_Q]), axis=1) != 0
+    scores = tl.where(query_bad, float("nan"), scores)
+    tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores, mask=group_queries < Nq)
 
 
 def cdiv(a, b):
@@ -140,9 +154,9 @@ def _dot_config(config):
     return tl.float16, "ieee"
 
 
-def forward_grid(Nq, Nd):
-    """Programs of the forward: one per scored (query, document) pair."""
-    return (Nd * Nq,)
+def forward_grid(Nq, Nd, QUERY_GROUP):
+    """Programs of the forward: one per (group of queries, document)."""
+    return (Nd * cdiv(Nq, QUERY_GROUP),)
 
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
@@ -161,7 +175,7 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
     Q_strides = Q.stride()
     D_strides = D.stride()
     out_strides = out.stride()
-    maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel[forward_grid(Nq, Nd)](
+    maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel[forward_grid(Nq, Nd, config.query_group)](
         Q,
         D,
         cu_seqlens_q,
@@ -185,6 +199,7 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
         INPUT_PRECISION=input_precision,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        QUERY_GROUP=config.query_group,
     )
 
     return out
