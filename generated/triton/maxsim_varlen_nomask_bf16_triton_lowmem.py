@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6b3e1809743d60dcd29c47d91cd2c1b3abbd22e7eb5e58adc360a9007c2dc877
+# body-sha256: d46d3fbb42ec87bdff2a5f90d2b347adb95e95f43f347b24fadcda3570fecfd7
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -351,7 +351,6 @@ def maxsim_varlen_nomask_bf16_triton_lowmem_bwd_d_kernel(
     first = tl.load(TileFirst + pid).to(tl.int64)
     has_tile = doc < Nd
     doc = tl.minimum(doc, Nd - 1)
-    scanned = tl.where(has_tile, Nq, 0)
     offs_t = first + tl.arange(0, BLOCK_L)
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.where(has_tile, tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start, 0)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8c0841a619b298897c9b0c1490e84b02741c7a76c01dca06a3a1f93c99c3550a
+# body-sha256: 7870eb348141d7332c2189bbb56d3f54169054f30fe8645348fa302305ad3768
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -386,7 +386,6 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_d_kernel(
     first = tl.load(TileFirst + pid).to(tl.int64)
     has_tile = doc < Nd
     doc = tl.minimum(doc, Nd - 1)
-    scanned = tl.where(has_tile, Nq, 0)
     offs_t = first + tl.arange(0, BLOCK_L)
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.where(has_tile, tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start, 0)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4e809249b198308b86e7b5d67c36cb6a8c2fc736df344292d224c4442622931f
+# body-sha256: b6fcaaf91844b95ce028518c19949a73aa387c0cc4d1876d8925f4f77249cfc3
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -386,7 +386,6 @@ def maxsim_varlen_nomask_fp16_triton_norm_lowmem_bwd_d_kernel(
     first = tl.load(TileFirst + pid).to(tl.int64)
     has_tile = doc < Nd
     doc = tl.minimum(doc, Nd - 1)
-    scanned = tl.where(has_tile, Nq, 0)
     offs_t = first + tl.arange(0, BLOCK_L)
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.where(has_tile, tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start, 0)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5fc1ba429b71ffa41b904dc740cccb60f2813de6c6fd02fa2eb62d7acf6f3048
+# body-sha256: 633b4e985cecde4a3595c690ff7149ff773a0f8e2f2dde01c89a034dcf621146
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -351,7 +351,6 @@ def maxsim_varlen_nomask_fp32_triton_lowmem_bwd_d_kernel(
     first = tl.load(TileFirst + pid).to(tl.int64)
     has_tile = doc < Nd
     doc = tl.minimum(doc, Nd - 1)
-    scanned = tl.where(has_tile, Nq, 0)
     offs_t = first + tl.arange(0, BLOCK_L)
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.where(has_tile, tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start, 0)
