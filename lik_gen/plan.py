@@ -462,8 +462,8 @@ def _recompute_args(variant, weights, tau, saved, saved_strides):
 
 def routes_grad_d(variant: Variant) -> bool:
     """Whether the lowmem grad_D reads winner lists from a route pass (Triton, dense or
-    varlen, max): every query scores every doc, so a one-hot tile over whole queries would be mostly
-    zeros. Metal keeps its own one-query-at-a-time loop."""
+    varlen, max): every query scores every doc, so a one-hot tile over whole queries
+    would be mostly zeros. Metal keeps its own one-query-at-a-time loop."""
     return (
         variant.target is Target.TRITON
         and variant.backward is Backward.LOWMEM
