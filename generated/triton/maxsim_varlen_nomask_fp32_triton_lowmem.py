@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 633b4e985cecde4a3595c690ff7149ff773a0f8e2f2dde01c89a034dcf621146
+# body-sha256: 56b6df86df3d589f4af0fc87bebf78afb9b9b78aa23d43b3b2bc40d24b9fcb1d
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -224,7 +224,9 @@ def _doc_tile(cu_seqlens_d, pid, Nd, total_d, BLOCK_L: tl.constexpr, SCAN_DOCS: 
     its first token there. Docs take cdiv(length, BLOCK_L) programs each, in order; a doc
     with bad offsets none (the forward scored its pairs NaN and wrote no winners). Counted
     over the offsets in registers: a tile map built with torch took more GPU time than
-    the backward it served on small batches (16 x 16 docs: 20 us against 17 us)."""
+    the backward it served on small batches (16 x 16 docs: 20 us against 17 us). Every
+    program reads all Nd offsets (8 KB per 1024 docs, from L2): one step for in-batch
+    sizes, growing with Nd times the programs for batches of many thousand docs."""
     doc = tl.zeros([], dtype=tl.int64)  # docs whose programs all come before pid
     doc_first = tl.zeros([], dtype=tl.int64)  # the programs those docs take
     before = tl.zeros([], dtype=tl.int64)  # the programs of the docs scanned so far
