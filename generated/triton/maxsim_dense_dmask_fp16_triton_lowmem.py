@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c1af80f42e52ba6587bab3f7e8fdbfe70db3bc6d4dbfa42db467d539c7dae607
+# body-sha256: 53d4e5e81d94af871be2a9d3439817b2a2f7b5d61cd2df0d7c26c521bf41ac52
 
 """MaxSim training (lowmem backward) for maxsim_dense_dmask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -173,15 +173,12 @@ def maxsim_dense_dmask_fp16_triton_lowmem_bwd_q_kernel(
     query = pid // token_blocks
     offs_s = (pid % token_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
-    q_len = Lq
-    gq_base = query * stride_gqb
-    q_in_range = offs_s < q_len
+    q_in_range = offs_s < Lq
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     grad_q = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
     for doc_index in range(0, Nd):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
-        d_base = doc * stride_db
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         index = tl.load(
             Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -190,13 +187,13 @@ def maxsim_dense_dmask_fp16_triton_lowmem_bwd_q_kernel(
         ).to(tl.int64)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+            D + doc * stride_db + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         grad_q += g * rows
     tl.store(
-        GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
+        GQ + query * stride_gqb + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
         grad_q,
         mask=q_tile_mask,
     )
@@ -238,19 +235,18 @@ def maxsim_dense_dmask_fp16_triton_lowmem_route_kernel(
     token_blocks = tl.cdiv(Ld, BLOCK_L)
     doc = pid // token_blocks
     first = (pid % token_blocks) * BLOCK_L
-    scanned = Nq
     offs_s = tl.arange(0, BLOCK_Q)
     doc_argmax = Argmax + doc * stride_ac
     # Where this tile's list starts: the doc's winners on earlier tiles.
     before = tl.zeros([], dtype=tl.int32)
-    for query0 in range(0, scanned, SCAN_QUERIES):
+    for query0 in range(0, Nq, SCAN_QUERIES):
         offs_q = query0 + tl.arange(0, SCAN_QUERIES)
         index = _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as)
         earlier = tl.reshape((index >= 0) & (index < first), [SCAN_QUERIES * BLOCK_Q])
         before += tl.sum(earlier.to(tl.int32), axis=0)
     count = tl.zeros([], dtype=tl.int32)
     routed = Route + doc * Nq * Lq
-    for query0 in range(0, scanned, SCAN_QUERIES):
+    for query0 in range(0, Nq, SCAN_QUERIES):
         offs_q = query0 + tl.arange(0, SCAN_QUERIES)
         index = _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as)
         here = tl.reshape((index >= first) & (index < first + BLOCK_L), [SCAN_QUERIES * BLOCK_Q])
@@ -318,9 +314,11 @@ def maxsim_dense_dmask_fp16_triton_lowmem_bwd_d_kernel(
             mask=r_in_range,
             other=-1,
         )
-        q_rows = query * stride_qb + offs_s * stride_qs
         q = tl.load(
-            Q + q_rows[:, None] + offs_k[None, :] * stride_qk,
+            Q
+            + query[:, None] * stride_qb
+            + offs_s[:, None] * stride_qs
+            + offs_k[None, :] * stride_qk,
             mask=r_in_range[:, None] & k_in_range[None, :],
             other=0.0,
         )
@@ -351,9 +349,8 @@ def maxsim_dense_dmask_fp16_triton_lowmem_bwd_d_kernel(
             )
         grad_d += scale * step
     t_mask = (offs_t < Ld)[:, None] & k_in_range[None, :]
-    gd_base = doc * stride_gdb
     tl.store(
-        GD + gd_base + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
+        GD + doc * stride_gdb + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
         grad_d,
         mask=t_mask,
     )

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 74fa6cb971afe9df243ca713697c68736ed12a0d2401f74483d6ddf4ff7c0a24
+# body-sha256: 7a09dc28d1da35c3828f23f86bf42813b1b608ae4d9f804480f64088a255ee94
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -244,15 +244,12 @@ def maxsim_dense_qmask_fp32_triton_lowmem_bwd_q_kernel(
     query = pid // token_blocks
     offs_s = (pid % token_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
-    q_len = Lq
-    gq_base = query * stride_gqb
-    q_in_range = offs_s < q_len
+    q_in_range = offs_s < Lq
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     grad_q = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
     for doc_index in range(0, Nd):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
-        d_base = doc * stride_db
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         index = tl.load(
             Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -261,13 +258,13 @@ def maxsim_dense_qmask_fp32_triton_lowmem_bwd_q_kernel(
         ).to(tl.int64)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+            D + doc * stride_db + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         grad_q += g * rows
     tl.store(
-        GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
+        GQ + query * stride_gqb + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
         grad_q,
         mask=q_tile_mask,
     )
@@ -309,19 +306,18 @@ def maxsim_dense_qmask_fp32_triton_lowmem_route_kernel(
     token_blocks = tl.cdiv(Ld, BLOCK_L)
     doc = pid // token_blocks
     first = (pid % token_blocks) * BLOCK_L
-    scanned = Nq
     offs_s = tl.arange(0, BLOCK_Q)
     doc_argmax = Argmax + doc * stride_ac
     # Where this tile's list starts: the doc's winners on earlier tiles.
     before = tl.zeros([], dtype=tl.int32)
-    for query0 in range(0, scanned, SCAN_QUERIES):
+    for query0 in range(0, Nq, SCAN_QUERIES):
         offs_q = query0 + tl.arange(0, SCAN_QUERIES)
         index = _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as)
         earlier = tl.reshape((index >= 0) & (index < first), [SCAN_QUERIES * BLOCK_Q])
         before += tl.sum(earlier.to(tl.int32), axis=0)
     count = tl.zeros([], dtype=tl.int32)
     routed = Route + doc * Nq * Lq
-    for query0 in range(0, scanned, SCAN_QUERIES):
+    for query0 in range(0, Nq, SCAN_QUERIES):
         offs_q = query0 + tl.arange(0, SCAN_QUERIES)
         index = _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as)
         here = tl.reshape((index >= first) & (index < first + BLOCK_L), [SCAN_QUERIES * BLOCK_Q])
@@ -389,9 +385,11 @@ def maxsim_dense_qmask_fp32_triton_lowmem_bwd_d_kernel(
             mask=r_in_range,
             other=-1,
         )
-        q_rows = query * stride_qb + offs_s * stride_qs
         q = tl.load(
-            Q + q_rows[:, None] + offs_k[None, :] * stride_qk,
+            Q
+            + query[:, None] * stride_qb
+            + offs_s[:, None] * stride_qs
+            + offs_k[None, :] * stride_qk,
             mask=r_in_range[:, None] & k_in_range[None, :],
             other=0.0,
         )
@@ -416,9 +414,8 @@ def maxsim_dense_qmask_fp32_triton_lowmem_bwd_d_kernel(
                 input_precision=INPUT_PRECISION,
             )
     t_mask = (offs_t < Ld)[:, None] & k_in_range[None, :]
-    gd_base = doc * stride_gdb
     tl.store(
-        GD + gd_base + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
+        GD + doc * stride_gdb + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
         grad_d,
         mask=t_mask,
     )

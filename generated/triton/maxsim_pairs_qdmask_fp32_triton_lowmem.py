@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_qdmask_fp32_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "qd", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1e10c07056665245e01d49d89a3f8e62075349f105255d110bf002381ab44fb0
+# body-sha256: 4c993440360803bef51acb121c433439b9ec7662b7a4169b11c16859083562dc
 
 """MaxSim training (lowmem backward) for maxsim_pairs_qdmask_fp32_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -163,15 +163,12 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_bwd_q_kernel(
     query = pid // token_blocks
     offs_s = (pid % token_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_K)
-    q_len = Lq
-    gq_base = query * stride_gqb
-    q_in_range = offs_s < q_len
+    q_in_range = offs_s < Lq
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
     grad_q = tl.zeros([BLOCK_S, BLOCK_K], dtype=tl.float32)
     for doc_index in range(0, 1):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
-        d_base = query * stride_db
         g = tl.load(Grad + query * stride_gb)
         index = tl.load(
             Argmax + query * stride_ab + offs_s * stride_as,
@@ -180,13 +177,13 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_bwd_q_kernel(
         ).to(tl.int64)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+            D + query * stride_db + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         grad_q += g * rows
     tl.store(
-        GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
+        GQ + query * stride_gqb + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
         grad_q,
         mask=q_tile_mask,
     )
@@ -243,9 +240,8 @@ def maxsim_pairs_qdmask_fp32_triton_lowmem_bwd_d_kernel(
     won = (offs_t[:, None] == index[None, :]).to(DOT_DTYPE)  # [BLOCK_L, BLOCK_Q], exact
     grad_d += g * tl.dot(won, q.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     t_mask = (offs_t < Ld)[:, None] & k_in_range[None, :]
-    gd_base = query * stride_gdb
     tl.store(
-        GD + gd_base + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
+        GD + query * stride_gdb + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
         grad_d,
         mask=t_mask,
     )

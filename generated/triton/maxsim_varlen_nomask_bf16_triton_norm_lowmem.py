@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c8193142886ee914c46adde109df6165173ed9d05cc61cb3592dd37787d78df9
+# body-sha256: 3eed0cc0e458e1228f94d032074668e83d2fd2ad6f7acdb71f3d8faaeaec4c8d
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_bf16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -213,8 +213,6 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_q_kernel(
     # The forward poisoned pairs with bad offsets and wrote no winners for them; a query
     # with bad offsets writes no rows either.
     q_len = tl.where((q_len < 0) | (q_start < 0) | (q_start + q_len > total_q), 0, q_len)
-    q_base = q_start * stride_qs
-    gq_base = q_start * stride_gqs
     q_in_range = offs_s < q_len
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
@@ -222,7 +220,6 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_q_kernel(
     for doc_index in range(0, Nd):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
         d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
-        d_base = d_start * stride_dt
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         index = tl.load(
             Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -231,20 +228,20 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_q_kernel(
         ).to(tl.int64)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+            D + d_start * stride_dt + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         rows = rows * _inv_l2_norm(rows)[:, None]
         grad_q += g * rows
     q = tl.load(
-        Q + q_base + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        Q + q_start * stride_qs + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
         mask=q_tile_mask,
         other=0.0,
     ).to(tl.float32)
     grad_q = _normalize_backward(q, grad_q)
     tl.store(
-        GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
+        GQ + q_start * stride_gqs + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
         grad_q,
         mask=q_tile_mask,
     )
@@ -391,8 +388,6 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_d_kernel(
     offs_t = first + tl.arange(0, BLOCK_L)
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.where(has_tile, tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start, 0)
-    d_base = d_start * stride_dt
-    gd_base = d_start * stride_gdt
     offs_k = tl.arange(0, BLOCK_K)
     k_in_range = offs_k < dim
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
@@ -413,9 +408,11 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_d_kernel(
             other=-1,
         )
         q_start = tl.load(cu_seqlens_q + query, mask=r_in_range, other=0).to(tl.int64)
-        q_rows = (q_start + offs_s) * stride_qs
         q = tl.load(
-            Q + q_rows[:, None] + offs_k[None, :] * stride_qk,
+            Q
+            + q_start[:, None] * stride_qs
+            + offs_s[:, None] * stride_qs
+            + offs_k[None, :] * stride_qk,
             mask=r_in_range[:, None] & k_in_range[None, :],
             other=0.0,
         )
@@ -443,13 +440,13 @@ def maxsim_varlen_nomask_bf16_triton_norm_lowmem_bwd_d_kernel(
             )
     t_mask = (offs_t < d_len)[:, None] & k_in_range[None, :]
     tokens = tl.load(
-        D + d_base + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+        D + d_start * stride_dt + offs_t[:, None] * stride_dt + offs_k[None, :] * stride_dk,
         mask=t_mask,
         other=0.0,
     ).to(tl.float32)
     grad_d = _normalize_backward(tokens, grad_d)
     tl.store(
-        GD + gd_base + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
+        GD + d_start * stride_gdt + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
         grad_d,
         mask=t_mask,
     )

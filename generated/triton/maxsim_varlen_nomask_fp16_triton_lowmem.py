@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d4299e63aea6b5c783b19aa54b06443c116b21a63a3f34ffe52c7f66d83a76b1
+# body-sha256: 074f76a299a3b52b637f776ad8ea42aa3403c482d0a8167564b643158489dc70
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -189,7 +189,6 @@ def maxsim_varlen_nomask_fp16_triton_lowmem_bwd_q_kernel(
     # The forward poisoned pairs with bad offsets and wrote no winners for them; a query
     # with bad offsets writes no rows either.
     q_len = tl.where((q_len < 0) | (q_start < 0) | (q_start + q_len > total_q), 0, q_len)
-    gq_base = q_start * stride_gqs
     q_in_range = offs_s < q_len
     k_in_range = offs_k < dim
     q_tile_mask = q_in_range[:, None] & k_in_range[None, :]
@@ -197,7 +196,6 @@ def maxsim_varlen_nomask_fp16_triton_lowmem_bwd_q_kernel(
     for doc_index in range(0, Nd):
         doc = tl.cast(doc_index, tl.int64)  # loop counters are 32-bit; offsets past 2**31 are not
         d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
-        d_base = d_start * stride_dt
         g = tl.load(Grad + query * stride_gb + doc * stride_gc)
         index = tl.load(
             Argmax + query * stride_ab + doc * stride_ac + offs_s * stride_as,
@@ -206,13 +204,13 @@ def maxsim_varlen_nomask_fp16_triton_lowmem_bwd_q_kernel(
         ).to(tl.int64)
         row_mask = (index >= 0)[:, None] & k_in_range[None, :]
         rows = tl.load(
-            D + d_base + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
+            D + d_start * stride_dt + index[:, None] * stride_dt + offs_k[None, :] * stride_dk,
             mask=row_mask,
             other=0.0,
         ).to(tl.float32)
         grad_q += g * rows
     tl.store(
-        GQ + gq_base + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
+        GQ + q_start * stride_gqs + offs_s[:, None] * stride_gqs + offs_k[None, :] * stride_gqk,
         grad_q,
         mask=q_tile_mask,
     )
@@ -356,7 +354,6 @@ def maxsim_varlen_nomask_fp16_triton_lowmem_bwd_d_kernel(
     offs_t = first + tl.arange(0, BLOCK_L)
     d_start = tl.load(cu_seqlens_d + doc).to(tl.int64)
     d_len = tl.where(has_tile, tl.load(cu_seqlens_d + doc + 1).to(tl.int64) - d_start, 0)
-    gd_base = d_start * stride_gdt
     offs_k = tl.arange(0, BLOCK_K)
     k_in_range = offs_k < dim
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
@@ -377,9 +374,11 @@ def maxsim_varlen_nomask_fp16_triton_lowmem_bwd_d_kernel(
             other=-1,
         )
         q_start = tl.load(cu_seqlens_q + query, mask=r_in_range, other=0).to(tl.int64)
-        q_rows = (q_start + offs_s) * stride_qs
         q = tl.load(
-            Q + q_rows[:, None] + offs_k[None, :] * stride_qk,
+            Q
+            + q_start[:, None] * stride_qs
+            + offs_s[:, None] * stride_qs
+            + offs_k[None, :] * stride_qk,
             mask=r_in_range[:, None] & k_in_range[None, :],
             other=0.0,
         )
@@ -411,7 +410,7 @@ def maxsim_varlen_nomask_fp16_triton_lowmem_bwd_d_kernel(
         grad_d += scale * step
     t_mask = (offs_t < d_len)[:, None] & k_in_range[None, :]
     tl.store(
-        GD + gd_base + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
+        GD + d_start * stride_gdt + offs_t[:, None] * stride_gdt + offs_k[None, :] * stride_gdk,
         grad_d,
         mask=t_mask,
     )
