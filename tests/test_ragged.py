@@ -128,9 +128,7 @@ def test_varlen_lowmem_with_one_query_against_many_docs():
     Q, D, cu_q, cu_d = _batch(14, 1, 40, max_len=9)
     cu_q = _offsets([9])
     Q = torch.randn(9, 24, device=DEVICE)
-    out, gq, gd, w = _grads(
-        lambda q, d: maxsim_varlen(q, d, cu_q, cu_d, backward="lowmem"), Q, D
-    )
+    out, gq, gd, w = _grads(lambda q, d: maxsim_varlen(q, d, cu_q, cu_d, backward="lowmem"), Q, D)
     ref = _reference_grads(Q, D, w, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d, layout="varlen")
     _check((out, gq, gd), ref, torch.float32)
 
