@@ -572,31 +572,30 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
                     "Programs of the Jacobian pass.",
                 )
             )
-    if variant.backward is Backward.LOWMEM and variant.layout is Layout.VARLEN:
+    if variant.backward is Backward.LOWMEM:
         formulas.append(_lowmem_q_grid(variant, queries))
-        # Docs of n tokens take cdiv(n, BLOCK_L) programs each: at most this many for
-        # disjoint docs within the packed tokens; the programs past the last tile idle.
-        formulas.append(
-            _formula(
-                "lowmem_d_grid",
-                sympy.Tuple(sympy.ceiling(total_d / BLOCK_L) + Nd),
-                ("Nd", "total_d", "BLOCK_L"),
-                "Programs of grad_D: one per (doc, block of its tokens), and a few to spare.",
-            )
-        )
-    elif variant.backward is Backward.LOWMEM:
-        formulas.append(_lowmem_q_grid(variant, queries))
-        doc_count = shape["doc_count"]
-        params = tuple(sorted(str(s) for s in doc_count.free_symbols)) + ("Ld", "BLOCK_L")
-        formulas.append(
-            _formula(
-                "lowmem_d_grid",
-                sympy.Tuple(doc_count * sympy.ceiling(Ld / BLOCK_L)),
-                params,
-                "Programs of grad_D: one per (doc, block of doc tokens).",
-            )
-        )
+        formulas.append(_lowmem_d_grid(variant, shape["doc_count"]))
     return tuple(formulas)
+
+
+def _lowmem_d_grid(variant: Variant, doc_count: sympy.Expr) -> Formula:
+    """grad_D's grid: a program per (doc, block of BLOCK_L tokens). Packed docs (varlen)
+    take cdiv(n, BLOCK_L) programs each: at most this many for disjoint docs within the
+    packed tokens; the programs past the last tile idle."""
+    if variant.layout is Layout.VARLEN:
+        return _formula(
+            "lowmem_d_grid",
+            sympy.Tuple(sympy.ceiling(total_d / BLOCK_L) + Nd),
+            ("Nd", "total_d", "BLOCK_L"),
+            "Programs of grad_D: one per (doc, block of its tokens), and a few to spare.",
+        )
+    params = tuple(sorted(str(s) for s in doc_count.free_symbols)) + ("Ld", "BLOCK_L")
+    return _formula(
+        "lowmem_d_grid",
+        sympy.Tuple(doc_count * sympy.ceiling(Ld / BLOCK_L)),
+        params,
+        "Programs of grad_D: one per (doc, block of doc tokens).",
+    )
 
 
 def _lowmem_q_grid(variant: Variant, queries: sympy.Expr) -> Formula:

@@ -39,6 +39,8 @@ from lik.runtime.tuning import (
     config_for,
     default_config,
     one_warpgroup_backward,
+    stacked_queries,
+    tile_warps,
 )
 
 # Looked up once at import (not per call), so torch.compile sees a plain constant.
@@ -603,20 +605,20 @@ def forward_ragged(
 
 
 def stack_ragged_queries(config: LaunchConfig, *, queries: int) -> LaunchConfig:
-    """A varlen forward's config with as many queries per program as fill STACKED_ROWS
-    query rows (BLOCK_Q = max_seqlen_q's bucket each), and the dense default's warps for
-    that tile: 4 up to 32 rows, else 8. Its key has no query count (Q is packed tokens),
-    so the group is set per call, as padded batches' keys would set it."""
+    """A varlen forward's config with the padded default's query stacking and at least
+    that tile's default warps (tuning.stacked_queries, tuning.tile_warps; BLOCK_Q is
+    max_seqlen_q's bucket). Its key has no query count (Q is packed tokens), so the group
+    is set per call, as padded batches' keys set it."""
     return _stacked(config, query_bucket(queries))
 
 
 @functools.lru_cache(maxsize=256)
 def _stacked(config: LaunchConfig, queries: int) -> LaunchConfig:
     # Cached: a replaced dataclass costs a small call's host ~5 us.
-    group = max(1, min(queries, STACKED_ROWS // config.block_q))
+    group = stacked_queries(queries, config.block_q)
     if group == config.query_group:
         return config
-    warps = config.num_warps if group * config.block_q <= 32 else max(config.num_warps, 8)
+    warps = max(config.num_warps, tile_warps(group * config.block_q))
     return dataclasses.replace(config, query_group=group, num_warps=warps)
 
 

@@ -251,7 +251,7 @@ def score_pairs_packed(
     _check_query_bound(bound)
     tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d, "pair_q_idx": q_idx,
                "pair_d_idx": d_idx}  # fmt: skip
-    return _score("packed_pairs", Q, D, tensors, bound, normalize, "unified")
+    return _score("packed_pairs", Q, D, tensors, bound, normalize, None)  # auto: unified
 
 
 def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device) -> torch.Tensor:

@@ -140,8 +140,19 @@ THIN_ROWS = 32
 STACKED_ROWS = 128
 
 
+def stacked_queries(queries: int, lq: int) -> int:
+    """Queries one forward program stacks by default: as many lq-row slots as fill
+    STACKED_ROWS rows, and no more than there are queries."""
+    return max(1, min(queries, STACKED_ROWS // lq))
+
+
 def default_query_group(key: KernelKey) -> int:
-    return max(1, min(key.queries, STACKED_ROWS // key.lq))
+    return stacked_queries(key.queries, key.lq)
+
+
+def tile_warps(rows: int) -> int:
+    """A forward query tile's default warps: one warpgroup up to 32 rows, else two."""
+    return 4 if rows <= 32 else 8
 
 
 # Warps of a plain lowmem backward's programs: one warpgroup (see default_config).
@@ -183,7 +194,7 @@ def default_config(key: KernelKey) -> dict[str, int]:
         # the bytes in flight per program) at the bf16 default's size.
         block_l *= 2
     query_group = default_query_group(key)
-    num_warps = 4 if key.lq * query_group <= 32 else 8
+    num_warps = tile_warps(key.lq * query_group)
     stages = 3
     if any(f"_res{nbits}" in key.variant for nbits in (2, 4, 8)):
         # Decoding a residual tile (centroid gather, bit unpacking) is register-heavy:
