@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ragged import packed_tokens, random_lengths  # noqa: E402
 from bench_train import (  # noqa: E402
     GRADIENT_TOLERANCE,
     TIMING,
@@ -37,7 +38,6 @@ from common import (  # noqa: E402
     gpu_tag,
     markdown_table,
     missing_gpu,
-    normalized_tokens,
     release_cached_memory,
     write_results,
 )
@@ -71,17 +71,13 @@ STRATEGIES = ("unified", "lowmem")
 
 
 def ragged_inputs(nq, nd, q_range, d_range, seed):
-    """Packed unit-norm tokens, their int32 offsets and the scores' weights, with each
-    sequence's length drawn from its range."""
-    generator = torch.Generator().manual_seed(seed)
+    """Packed unit-norm tokens, their int32 offsets and longest length per side (each
+    sequence's length drawn from its range), and the scores' weights."""
     batch = {}
     for side, count, (low, high) in (("q", nq, q_range), ("d", nd, d_range)):
-        lengths = torch.randint(low, high + 1, (count,), generator=generator)
-        tokens = normalized_tokens(1, int(lengths.sum()), 128, device="cuda", seed=seed)[0]
-        offsets = torch.zeros(count + 1, dtype=torch.int32)
-        offsets[1:] = lengths.cumsum(0)
-        batch[side] = (tokens, offsets.cuda(), int(lengths.max()))
-        seed += 1
+        lengths = random_lengths(count, low, high, seed)
+        batch[side] = (*packed_tokens(lengths, seed + 1), int(lengths.max()))
+        seed += 2
     weights = torch.randn(nq, nd, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
     return batch, weights
 

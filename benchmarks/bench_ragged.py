@@ -32,7 +32,8 @@ TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, 
 DIM = 128
 
 
-def _packed(lengths: torch.Tensor, seed: int):
+def packed_tokens(lengths: torch.Tensor, seed: int):
+    """Unit-norm bf16 tokens packed [sum lengths, DIM] and their int32 offsets."""
     g = torch.Generator("cuda").manual_seed(seed)
     tokens = torch.randn(int(lengths.sum()), DIM, device="cuda", generator=g)
     tokens = torch.nn.functional.normalize(tokens, dim=-1).to(torch.bfloat16)
@@ -41,16 +42,17 @@ def _packed(lengths: torch.Tensor, seed: int):
     return tokens, offsets
 
 
-def _lengths(n: int, low: int, high: int, seed: int) -> torch.Tensor:
+def random_lengths(n: int, low: int, high: int, seed: int) -> torch.Tensor:
+    """n sequence lengths drawn from [low, high]."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high + 1, (n,), generator=g).cuda()
 
 
 def pairs_case(n_pairs: int):
     """n_pairs (query, doc) pairs, each its own sequences: Lq in 16-32, Ld in 16-300."""
-    lq, ld = _lengths(n_pairs, 16, 32, 1), _lengths(n_pairs, 16, 300, 2)
-    Q, cu_q = _packed(lq, 3)
-    D, cu_d = _packed(ld, 4)
+    lq, ld = random_lengths(n_pairs, 16, 32, 1), random_lengths(n_pairs, 16, 300, 2)
+    Q, cu_q = packed_tokens(lq, 3)
+    D, cu_d = packed_tokens(ld, 4)
     ids = torch.arange(n_pairs, device="cuda")
     return Q, D, cu_q, cu_d, ids, int(lq.max()), int(ld.max())
 
@@ -95,9 +97,9 @@ def run_varlen(args, timing) -> dict:
     from lik.runtime import maxsim_varlen
     from lik.runtime.reference import score_pairs_packed_reference
 
-    lq, ld = _lengths(32, 16, 32, 5), _lengths(2000, 16, 300, 6)
-    Q, cu_q = _packed(lq, 7)
-    D, cu_d = _packed(ld, 8)
+    lq, ld = random_lengths(32, 16, 32, 5), random_lengths(2000, 16, 300, 6)
+    Q, cu_q = packed_tokens(lq, 7)
+    D, cu_d = packed_tokens(ld, 8)
     mq, md = int(lq.max()), int(ld.max())
     head = 64  # reference on the first docs only
     reference = score_pairs_packed_reference(
