@@ -614,7 +614,7 @@ def stack_ragged_queries(config: LaunchConfig, *, queries: int) -> LaunchConfig:
 
 @functools.lru_cache(maxsize=256)
 def _stacked(config: LaunchConfig, queries: int) -> LaunchConfig:
-    # Cached: a replaced dataclass costs a small call's host ~5 us.
+    # Cached: replacing the dataclass took ~5 us per call (Python 3.11, a 2-core CPU host).
     group = stacked_queries(queries, config.block_q)
     if group == config.query_group:
         return config

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 074f76a299a3b52b637f776ad8ea42aa3403c482d0a8167564b643158489dc70
+# body-sha256: 377e205a7ef52c1ae2598b73d7938c7ffb58beb898399abf93655f170d72ab3d
 
 """MaxSim training (lowmem backward) for maxsim_varlen_nomask_fp16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -222,7 +222,8 @@ def _doc_tile(cu_seqlens_d, pid, Nd, total_d, BLOCK_L: tl.constexpr, SCAN_DOCS: 
     its first token there. Docs take cdiv(length, BLOCK_L) programs each, in order; a doc
     with bad offsets none (the forward scored its pairs NaN and wrote no winners). Counted
     over the offsets in registers: a tile map built with torch took more GPU time than
-    the backward it served on small batches (16 x 16 docs: 20 us against 17 us). Every
+    the backward it served on small batches (16 x 16 docs: 20 us against 17 us, H200;
+    benchmarks/results/ragged_tile_map_H200.log). Every
     program reads all Nd offsets (8 KB per 1024 docs, from L2): one step for in-batch
     sizes, growing with Nd times the programs for batches of many thousand docs."""
     doc = tl.zeros([], dtype=tl.int64)  # docs whose programs all come before pid
