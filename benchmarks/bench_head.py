@@ -214,6 +214,8 @@ SWEEP_GRID = {
     "num_warps": (4, 8),
     "num_stages": (3, 4),
 }
+# Config fields --sweep-grid may also set (default: the default config's).
+SWEEP_SWITCHES = ("query_group", "tma", "flat_tokens")
 
 
 def parse_sweep_grid(text: str | None) -> dict:
@@ -221,9 +223,9 @@ def parse_sweep_grid(text: str | None) -> dict:
     grid = dict(SWEEP_GRID)
     for item in filter(None, (text or "").split(",")):
         key, _, values = item.partition("=")
-        if key not in (*SWEEP_GRID, "query_group", "tma") or not values:
-            sys.exit(f"--sweep-grid: expected KEY=V1/V2 with KEY in {sorted(SWEEP_GRID)}, "
-                     f"query_group or tma, got {item!r}")  # fmt: skip
+        if key not in (*SWEEP_GRID, *SWEEP_SWITCHES) or not values:
+            sys.exit(f"--sweep-grid: expected KEY=V1/V2 with KEY in {sorted(SWEEP_GRID)} "
+                     f"or {', '.join(SWEEP_SWITCHES)}, got {item!r}")  # fmt: skip
         grid[key] = tuple(int(v) for v in values.split("/"))
     return grid
 
@@ -370,7 +372,7 @@ def markdown_report(report: dict) -> str:
     for r in report["shapes"]:
         if r.get("sweep"):
             best = r["sweep"][:5]
-            cols = ["block_l", "block_m", "num_warps", "num_stages", "query_group", "tma", "ms"]
+            cols = ["block_l", "block_m", "num_warps", "num_stages", *SWEEP_SWITCHES, "ms"]
             lines += [
                 f"## Fastest lik configs, {r['name']}",
                 "",

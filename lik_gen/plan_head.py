@@ -34,7 +34,7 @@ LAUNCH_TEMPLATE = "glue/head_launch.py.j2"
 
 # Sizes the forward kernels read. They vary call to call: never specialized (the launcher
 # passes d_model % BLOCK_M == 0 as the EVEN_M constexpr instead).
-DYNAMIC_SIZES = ("Nq", "Lq", "Ld", "d_model")
+DYNAMIC_SIZES = ("Nq", "Nd", "Lq", "Ld", "d_model")
 # Sizes the reduce kernels read.
 REDUCE_SIZES = ("Nq", "Lq", "Ld")
 
@@ -136,10 +136,15 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     return (
         _formula("forward_grid", sympy.Tuple(Nd * doc_blocks), ("Nd", "Ld", "BLOCK_L"),
                  "Programs of the forward: one per (document, block of BLOCK_L doc tokens)."),
+        _formula("flat_forward_grid", sympy.Tuple(sympy.ceiling(Nd * Ld / BLOCK_L)),
+                 ("Nd", "Ld", "BLOCK_L"),
+                 "Programs of the forward over flat tokens: one per BLOCK_L of the Nd * Ld."),
         _formula("reduce_grid", sympy.Tuple(Nd * query_groups), ("Nd", "Nq", "QUERY_GROUP"),
                  "Programs of the reduce: one per (document, query group)."),
         _formula("doc_blocks", doc_blocks, ("Ld", "BLOCK_L"),
                  "Blocks of BLOCK_L doc tokens per document: partial maxima per query token."),
+        _formula("flat_doc_blocks", sympy.ceiling((Ld - 1) / BLOCK_L) + 1, ("Ld", "BLOCK_L"),
+                 "Flat-token tiles one document can touch (it may start anywhere in a tile)."),
         _formula("scratch_columns",
                  query_groups * QUERY_GROUP * sympy.ceiling(Lq / BLOCK_Q) * BLOCK_Q,
                  ("Nq", "Lq", "QUERY_GROUP", "BLOCK_Q"),

@@ -193,6 +193,49 @@ def test_launches_in_doc_chunks_with_even_d_model(monkeypatch, tma):
     assert torch.all(argmax[:, 1] == -1)
 
 
+FLAT_CASES = {  # (Nd, Ld) against doc blocks of 16 tokens
+    "several docs per tile": (9, 5),
+    "docs across tile edges": (4, 37),
+    "one token docs": (5, 1),
+    "Ld a multiple of the block": (3, 32),  # per-doc blocks: nothing to gain
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", list(FLAT_CASES))
+@pytest.mark.parametrize("layout", ["contiguous", "doc-strided"])
+def test_flat_token_tiles_match_per_doc_blocks(case, layout):
+    """Blocks of the flat token axis (a block may end one doc and start others) give the
+    scores and winners of per-doc blocks, and match float64; H whose docs are not back to
+    back (a slice of longer docs) cannot be one TMA matrix and is read by pointer."""
+    Nd, Ld = FLAT_CASES[case]
+    Q, H, W, b, d_mask = _inputs(3, 5, 16, Nd, Ld + 3, 24, torch.float32, seed=23, mask=True)
+    if layout == "doc-strided":
+        H, d_mask = H[:, :Ld], d_mask[:, :Ld]
+    else:
+        H, d_mask = H[:, 3:].contiguous(), d_mask[:, 3:]
+    d_mask[0] = True  # a doc with every token valid beside the fully masked doc 1
+    module = registry.load("head_dense_dmask_fp32_triton_norm")
+    config = HeadConfig(block_q=16, block_l=16, block_m=16, block_k=16, query_group=2,
+                        num_warps=4, num_stages=1, interpret=INTERPRETER)  # fmt: skip
+    per_doc = dataclasses.replace(config, flat_tokens=False)
+    flat = module.flat_tokens(Ld, config)
+    assert flat is (Ld % 16 != 0)
+    assert module._tma_operand(H, config)[1] is (layout == "contiguous" or not flat)
+    out, argmax = head._forward(Q, H, W, b, d_mask, True, True, config)
+    blocks_out, blocks_argmax = head._forward(Q, H, W, b, d_mask, True, True, per_doc)
+    assert_close_to_reference(out, _reference(Q, H, W, b, d_mask, True), torch.float32,
+                              interpreter=INTERPRETER, what=case)  # fmt: skip
+    assert torch.allclose(out, blocks_out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(argmax, blocks_argmax)
+    inference, _ = head._forward(Q, H, W, b, d_mask, True, False, config)
+    assert torch.allclose(inference, out, rtol=1e-6, atol=1e-6)
+    if Nd > 1:
+        assert torch.all(argmax[:, 1] == -1)
+    winners = argmax.long()
+    assert torch.all((winners[:, [0]] >= 0) & (winners[:, [0]] < Ld))
+
+
 @needs_kernels
 def test_single_query_and_empty_batches():
     Q, H, W, b, d_mask = _inputs(1, 6, 16, 2, 9, 24, torch.float32, seed=6, mask=True)

@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 1143fc0022228305a1f832c1859c80ca2b3ad5d80b5750fdcbf8bc7d964f784f
+# body-sha256: ce16d75bf4ea049dab65c129fdf94be1fa1e830d23442c15059c3ca92a7b33e1
 
 """Projection head + MaxSim forward for head_dense_nomask_bf16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -38,13 +38,14 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_kernel(
     Q,
     H,
     W,
     Partial,
     Nq,
+    Nd,
     Lq,
     Ld,
     d_model,
@@ -66,36 +67,54 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
     H_TMA: tl.constexpr,
+    FLAT_TOKENS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    # One program per (document, block of BLOCK_L doc tokens): Nd * Ld / BLOCK_L programs,
-    # each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an epilogue. The
-    # 64-bit program index keeps H offsets exact past 2**31 elements.
+    # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
-    blocks = tl.cdiv(Ld, BLOCK_L)
-    doc = pid // blocks
-    block = pid % blocks
-    start = block * BLOCK_L
-    offs_t = start + tl.arange(0, BLOCK_L)
-    t_in = offs_t < Ld
+    if FLAT_TOKENS:
+        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # one doc and start the next (or hold several short docs), so when Ld is not a
+        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        start = pid * BLOCK_L
+        offs_flat = start + tl.arange(0, BLOCK_L)
+        t_in = offs_flat < Nd * Ld
+        row_doc = offs_flat // Ld
+        offs_t = offs_flat % Ld
+        row_offset = row_doc * stride_hb + offs_t * stride_ht
+    else:
+        # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
+        # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
+        # epilogue.
+        blocks = tl.cdiv(Ld, BLOCK_L)
+        doc = pid // blocks
+        block = pid % blocks
+        start = block * BLOCK_L
+        offs_t = start + tl.arange(0, BLOCK_L)
+        t_in = offs_t < Ld
+        row_offset = doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
-    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
-    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a tensor descriptor, its tiles
+    # copied by the TMA engine (rows past the end and columns past d_model read as 0):
+    # [Nd * Ld, d_model] for flat tokens, else [Nd, Ld, d_model]. Otherwise a pointer
+    # whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
     if not H_TMA:
-        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+        h_ptrs = H + row_offset[:, None] + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
         if H_TMA:
-            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+            if FLAT_TOKENS:
+                h = H.load([start.to(tl.int32), m])
+            else:
+                h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
         elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
@@ -118,13 +137,12 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
     # Rounded to the dot dtype once, as a stored projection would be.
     doc_tile = tl.trans(proj.to(DOT_DTYPE))
 
-    # Each (query group, token chunk) tile: its max over this block's tokens goes to its
-    # own partial slots; the reduce kernel takes the max over blocks. With Nq * Lq <= 128
-    # stacked rows this loop runs once.
+    # Each (query group, token chunk) tile: its max over this block's tokens of each doc
+    # goes to the doc's own partial slots; the reduce kernel takes the max over blocks.
+    # With Nq * Lq <= 128 stacked rows this loop runs once.
     chunks = tl.cdiv(Lq, BLOCK_Q)
     tiles = tl.cdiv(Nq, QUERY_GROUP) * chunks
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
-    slots = doc * stride_pb + block * stride_pn + rows
     for tile in range(tiles):
         query, offs_s, q_in = _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP, BLOCK_Q)
         q = tl.load(
@@ -136,14 +154,32 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
             other=0.0,
         )
         sim = tl.dot(q.to(DOT_DTYPE), doc_tile, input_precision=INPUT_PRECISION)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # NaN-keeping max: a non-finite input never scores finite.
-        tile_best = tl.reduce(sim, 1, _max_keep_nan)
-        tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
+        columns = rows + tile * (QUERY_GROUP * BLOCK_Q)
+        if FLAT_TOKENS:
+            # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
+            # the slot of this tile counted from the doc's first tile.
+            first_doc = start // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            for doc in range(first_doc, last_doc + 1):
+                slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
+                # NaN-keeping max: a non-finite input never scores finite.
+                tile_best = tl.reduce(
+                    tl.where((t_valid & (row_doc == doc))[None, :], sim, float("-inf")),
+                    1,
+                    _max_keep_nan,
+                )
+                tl.store(Partial + slots, tile_best)
+        else:
+            slots = doc * stride_pb + block * stride_pn + columns
+            # NaN-keeping max: a non-finite input never scores finite.
+            tile_best = tl.reduce(
+                tl.where((t_valid)[None, :], sim, float("-inf")), 1, _max_keep_nan
+            )
+            tl.store(Partial + slots, tile_best)
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     Q,
     H,
@@ -151,6 +187,7 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
+    Nd,
     Lq,
     Ld,
     d_model,
@@ -172,36 +209,54 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
     H_TMA: tl.constexpr,
+    FLAT_TOKENS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    # One program per (document, block of BLOCK_L doc tokens): Nd * Ld / BLOCK_L programs,
-    # each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an epilogue. The
-    # 64-bit program index keeps H offsets exact past 2**31 elements.
+    # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
-    blocks = tl.cdiv(Ld, BLOCK_L)
-    doc = pid // blocks
-    block = pid % blocks
-    start = block * BLOCK_L
-    offs_t = start + tl.arange(0, BLOCK_L)
-    t_in = offs_t < Ld
+    if FLAT_TOKENS:
+        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # one doc and start the next (or hold several short docs), so when Ld is not a
+        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        start = pid * BLOCK_L
+        offs_flat = start + tl.arange(0, BLOCK_L)
+        t_in = offs_flat < Nd * Ld
+        row_doc = offs_flat // Ld
+        offs_t = offs_flat % Ld
+        row_offset = row_doc * stride_hb + offs_t * stride_ht
+    else:
+        # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
+        # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
+        # epilogue.
+        blocks = tl.cdiv(Ld, BLOCK_L)
+        doc = pid // blocks
+        block = pid % blocks
+        start = block * BLOCK_L
+        offs_t = start + tl.arange(0, BLOCK_L)
+        t_in = offs_t < Ld
+        row_offset = doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
-    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
-    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a tensor descriptor, its tiles
+    # copied by the TMA engine (rows past the end and columns past d_model read as 0):
+    # [Nd * Ld, d_model] for flat tokens, else [Nd, Ld, d_model]. Otherwise a pointer
+    # whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
     if not H_TMA:
-        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+        h_ptrs = H + row_offset[:, None] + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
         if H_TMA:
-            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+            if FLAT_TOKENS:
+                h = H.load([start.to(tl.int32), m])
+            else:
+                h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
         elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
@@ -224,13 +279,12 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     # Rounded to the dot dtype once, as a stored projection would be.
     doc_tile = tl.trans(proj.to(DOT_DTYPE))
 
-    # Each (query group, token chunk) tile: its max over this block's tokens goes to its
-    # own partial slots; the reduce kernel takes the max over blocks. With Nq * Lq <= 128
-    # stacked rows this loop runs once.
+    # Each (query group, token chunk) tile: its max over this block's tokens of each doc
+    # goes to the doc's own partial slots; the reduce kernel takes the max over blocks.
+    # With Nq * Lq <= 128 stacked rows this loop runs once.
     chunks = tl.cdiv(Lq, BLOCK_Q)
     tiles = tl.cdiv(Nq, QUERY_GROUP) * chunks
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
-    slots = doc * stride_pb + block * stride_pn + rows
     for tile in range(tiles):
         query, offs_s, q_in = _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP, BLOCK_Q)
         q = tl.load(
@@ -242,23 +296,48 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
             other=0.0,
         )
         sim = tl.dot(q.to(DOT_DTYPE), doc_tile, input_precision=INPUT_PRECISION)
-        # A NaN similarity poisons its token's max for good (the argmax reduction
-        # would drop it): an inf or NaN input never scores finite.
-        tile_sum = tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # Ties keep the earliest doc token, here and across blocks in the reduce.
-        tile_best, tile_index = tl.max(
-            sim, axis=1, return_indices=True, return_indices_tie_break_left=True
-        )
-        tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
-        tl.store(
-            PartialIndex + slots + tile * (QUERY_GROUP * BLOCK_Q), (start + tile_index).to(tl.int32)
-        )
-        tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
+        columns = rows + tile * (QUERY_GROUP * BLOCK_Q)
+        if FLAT_TOKENS:
+            # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
+            # the slot of this tile counted from the doc's first tile.
+            first_doc = start // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            for doc in range(first_doc, last_doc + 1):
+                slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
+                # A NaN similarity poisons its token's max for good (the argmax
+                # reduction would drop it): an inf or NaN input never scores finite.
+                mine = t_valid & (row_doc == doc)
+                tile_sum = tl.sum(tl.where(mine[None, :], sim, 0.0), axis=1)
+                # Ties keep the earliest doc token, here and across blocks in the reduce.
+                tile_best, tile_index = tl.max(
+                    tl.where(mine[None, :], sim, float("-inf")),
+                    axis=1,
+                    return_indices=True,
+                    return_indices_tie_break_left=True,
+                )
+                tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
+                tl.store(PartialIndex + slots, (tile_index + (start - doc * Ld)).to(tl.int32))
+                tl.store(Partial + slots, tile_best)
+        else:
+            slots = doc * stride_pb + block * stride_pn + columns
+            # A NaN similarity poisons its token's max for good (the argmax
+            # reduction would drop it): an inf or NaN input never scores finite.
+            mine = t_valid
+            tile_sum = tl.sum(tl.where(mine[None, :], sim, 0.0), axis=1)
+            # Ties keep the earliest doc token, here and across blocks in the reduce.
+            tile_best, tile_index = tl.max(
+                tl.where(mine[None, :], sim, float("-inf")),
+                axis=1,
+                return_indices=True,
+                return_indices_tie_break_left=True,
+            )
+            tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
+            tl.store(PartialIndex + slots, (tile_index + start).to(tl.int32))
+            tl.store(Partial + slots, tile_best)
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     Q,
     H,
@@ -266,6 +345,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     Bias,
     Partial,
     Nq,
+    Nd,
     Lq,
     Ld,
     d_model,
@@ -288,36 +368,54 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
     H_TMA: tl.constexpr,
+    FLAT_TOKENS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    # One program per (document, block of BLOCK_L doc tokens): Nd * Ld / BLOCK_L programs,
-    # each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an epilogue. The
-    # 64-bit program index keeps H offsets exact past 2**31 elements.
+    # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
-    blocks = tl.cdiv(Ld, BLOCK_L)
-    doc = pid // blocks
-    block = pid % blocks
-    start = block * BLOCK_L
-    offs_t = start + tl.arange(0, BLOCK_L)
-    t_in = offs_t < Ld
+    if FLAT_TOKENS:
+        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # one doc and start the next (or hold several short docs), so when Ld is not a
+        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        start = pid * BLOCK_L
+        offs_flat = start + tl.arange(0, BLOCK_L)
+        t_in = offs_flat < Nd * Ld
+        row_doc = offs_flat // Ld
+        offs_t = offs_flat % Ld
+        row_offset = row_doc * stride_hb + offs_t * stride_ht
+    else:
+        # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
+        # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
+        # epilogue.
+        blocks = tl.cdiv(Ld, BLOCK_L)
+        doc = pid // blocks
+        block = pid % blocks
+        start = block * BLOCK_L
+        offs_t = start + tl.arange(0, BLOCK_L)
+        t_in = offs_t < Ld
+        row_offset = doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
-    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
-    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a tensor descriptor, its tiles
+    # copied by the TMA engine (rows past the end and columns past d_model read as 0):
+    # [Nd * Ld, d_model] for flat tokens, else [Nd, Ld, d_model]. Otherwise a pointer
+    # whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
     if not H_TMA:
-        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+        h_ptrs = H + row_offset[:, None] + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
         if H_TMA:
-            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+            if FLAT_TOKENS:
+                h = H.load([start.to(tl.int32), m])
+            else:
+                h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
         elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
@@ -341,13 +439,12 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     # Rounded to the dot dtype once, as a stored projection would be.
     doc_tile = tl.trans(proj.to(DOT_DTYPE))
 
-    # Each (query group, token chunk) tile: its max over this block's tokens goes to its
-    # own partial slots; the reduce kernel takes the max over blocks. With Nq * Lq <= 128
-    # stacked rows this loop runs once.
+    # Each (query group, token chunk) tile: its max over this block's tokens of each doc
+    # goes to the doc's own partial slots; the reduce kernel takes the max over blocks.
+    # With Nq * Lq <= 128 stacked rows this loop runs once.
     chunks = tl.cdiv(Lq, BLOCK_Q)
     tiles = tl.cdiv(Nq, QUERY_GROUP) * chunks
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
-    slots = doc * stride_pb + block * stride_pn + rows
     for tile in range(tiles):
         query, offs_s, q_in = _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP, BLOCK_Q)
         q = tl.load(
@@ -359,14 +456,32 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
             other=0.0,
         )
         sim = tl.dot(q.to(DOT_DTYPE), doc_tile, input_precision=INPUT_PRECISION)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # NaN-keeping max: a non-finite input never scores finite.
-        tile_best = tl.reduce(sim, 1, _max_keep_nan)
-        tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
+        columns = rows + tile * (QUERY_GROUP * BLOCK_Q)
+        if FLAT_TOKENS:
+            # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
+            # the slot of this tile counted from the doc's first tile.
+            first_doc = start // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            for doc in range(first_doc, last_doc + 1):
+                slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
+                # NaN-keeping max: a non-finite input never scores finite.
+                tile_best = tl.reduce(
+                    tl.where((t_valid & (row_doc == doc))[None, :], sim, float("-inf")),
+                    1,
+                    _max_keep_nan,
+                )
+                tl.store(Partial + slots, tile_best)
+        else:
+            slots = doc * stride_pb + block * stride_pn + columns
+            # NaN-keeping max: a non-finite input never scores finite.
+            tile_best = tl.reduce(
+                tl.where((t_valid)[None, :], sim, float("-inf")), 1, _max_keep_nan
+            )
+            tl.store(Partial + slots, tile_best)
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     Q,
     H,
@@ -375,6 +490,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
+    Nd,
     Lq,
     Ld,
     d_model,
@@ -397,36 +513,54 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     QUERY_GROUP: tl.constexpr,
     EVEN_M: tl.constexpr,
     H_TMA: tl.constexpr,
+    FLAT_TOKENS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    # One program per (document, block of BLOCK_L doc tokens): Nd * Ld / BLOCK_L programs,
-    # each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an epilogue. The
-    # 64-bit program index keeps H offsets exact past 2**31 elements.
+    # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
-    blocks = tl.cdiv(Ld, BLOCK_L)
-    doc = pid // blocks
-    block = pid % blocks
-    start = block * BLOCK_L
-    offs_t = start + tl.arange(0, BLOCK_L)
-    t_in = offs_t < Ld
+    if FLAT_TOKENS:
+        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # one doc and start the next (or hold several short docs), so when Ld is not a
+        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        start = pid * BLOCK_L
+        offs_flat = start + tl.arange(0, BLOCK_L)
+        t_in = offs_flat < Nd * Ld
+        row_doc = offs_flat // Ld
+        offs_t = offs_flat % Ld
+        row_offset = row_doc * stride_hb + offs_t * stride_ht
+    else:
+        # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
+        # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
+        # epilogue.
+        blocks = tl.cdiv(Ld, BLOCK_L)
+        doc = pid // blocks
+        block = pid % blocks
+        start = block * BLOCK_L
+        offs_t = start + tl.arange(0, BLOCK_L)
+        t_in = offs_t < Ld
+        row_offset = doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
     k_end = d_model
 
     # D tile = H tile W^T: one flat loop over d_model that Triton software-pipelines
-    # (num_stages H and W tiles in flight). H_TMA: H is a [Nd, Ld, d_model] tensor
-    # descriptor, its tiles copied by the TMA engine (rows past Ld and columns past
-    # d_model read as 0); otherwise a pointer whose masked doc tokens are never read.
+    # (num_stages H and W tiles in flight). H_TMA: H is a tensor descriptor, its tiles
+    # copied by the TMA engine (rows past the end and columns past d_model read as 0):
+    # [Nd * Ld, d_model] for flat tokens, else [Nd, Ld, d_model]. Otherwise a pointer
+    # whose masked doc tokens are never read.
     offs_m = tl.arange(0, BLOCK_M)
     if not H_TMA:
-        h_ptrs = H + doc * stride_hb + offs_t[:, None] * stride_ht + offs_m[None, :] * stride_hm
+        h_ptrs = H + row_offset[:, None] + offs_m[None, :] * stride_hm
     w_ptrs = W + offs_m[:, None] * stride_wm + offs_k[None, :] * stride_wk
     proj = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for m in range(0, k_end, BLOCK_M):
         if H_TMA:
-            h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
+            if FLAT_TOKENS:
+                h = H.load([start.to(tl.int32), m])
+            else:
+                h = H.load([doc.to(tl.int32), start.to(tl.int32), m]).reshape(BLOCK_L, BLOCK_M)
         elif EVEN_M:
             # No d_model mask: loads stay 16-byte vectors (d_model is not specialized, so
             # a mask on it would split them into scalar loads).
@@ -450,13 +584,12 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     # Rounded to the dot dtype once, as a stored projection would be.
     doc_tile = tl.trans(proj.to(DOT_DTYPE))
 
-    # Each (query group, token chunk) tile: its max over this block's tokens goes to its
-    # own partial slots; the reduce kernel takes the max over blocks. With Nq * Lq <= 128
-    # stacked rows this loop runs once.
+    # Each (query group, token chunk) tile: its max over this block's tokens of each doc
+    # goes to the doc's own partial slots; the reduce kernel takes the max over blocks.
+    # With Nq * Lq <= 128 stacked rows this loop runs once.
     chunks = tl.cdiv(Lq, BLOCK_Q)
     tiles = tl.cdiv(Nq, QUERY_GROUP) * chunks
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
-    slots = doc * stride_pb + block * stride_pn + rows
     for tile in range(tiles):
         query, offs_s, q_in = _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP, BLOCK_Q)
         q = tl.load(
@@ -468,19 +601,44 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
             other=0.0,
         )
         sim = tl.dot(q.to(DOT_DTYPE), doc_tile, input_precision=INPUT_PRECISION)
-        # A NaN similarity poisons its token's max for good (the argmax reduction
-        # would drop it): an inf or NaN input never scores finite.
-        tile_sum = tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
-        # Ties keep the earliest doc token, here and across blocks in the reduce.
-        tile_best, tile_index = tl.max(
-            sim, axis=1, return_indices=True, return_indices_tie_break_left=True
-        )
-        tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
-        tl.store(
-            PartialIndex + slots + tile * (QUERY_GROUP * BLOCK_Q), (start + tile_index).to(tl.int32)
-        )
-        tl.store(Partial + slots + tile * (QUERY_GROUP * BLOCK_Q), tile_best)
+        columns = rows + tile * (QUERY_GROUP * BLOCK_Q)
+        if FLAT_TOKENS:
+            # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
+            # the slot of this tile counted from the doc's first tile.
+            first_doc = start // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            for doc in range(first_doc, last_doc + 1):
+                slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
+                # A NaN similarity poisons its token's max for good (the argmax
+                # reduction would drop it): an inf or NaN input never scores finite.
+                mine = t_valid & (row_doc == doc)
+                tile_sum = tl.sum(tl.where(mine[None, :], sim, 0.0), axis=1)
+                # Ties keep the earliest doc token, here and across blocks in the reduce.
+                tile_best, tile_index = tl.max(
+                    tl.where(mine[None, :], sim, float("-inf")),
+                    axis=1,
+                    return_indices=True,
+                    return_indices_tie_break_left=True,
+                )
+                tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
+                tl.store(PartialIndex + slots, (tile_index + (start - doc * Ld)).to(tl.int32))
+                tl.store(Partial + slots, tile_best)
+        else:
+            slots = doc * stride_pb + block * stride_pn + columns
+            # A NaN similarity poisons its token's max for good (the argmax
+            # reduction would drop it): an inf or NaN input never scores finite.
+            mine = t_valid
+            tile_sum = tl.sum(tl.where(mine[None, :], sim, 0.0), axis=1)
+            # Ties keep the earliest doc token, here and across blocks in the reduce.
+            tile_best, tile_index = tl.max(
+                tl.where(mine[None, :], sim, float("-inf")),
+                axis=1,
+                return_indices=True,
+                return_indices_tie_break_left=True,
+            )
+            tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
+            tl.store(PartialIndex + slots, (tile_index + start).to(tl.int32))
+            tl.store(Partial + slots, tile_best)
 
 
 @cached_launch
@@ -498,6 +656,7 @@ def head_dense_nomask_bf16_triton_reduce(
     BLOCK_Q: tl.constexpr,
     BLOCK_L: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
+    FLAT_TOKENS: tl.constexpr,
 ):
     # One program per (document, query group): the max of each query token over the doc
     # blocks, summed over the query's tokens. A token with no valid doc token (fully
@@ -507,7 +666,11 @@ def head_dense_nomask_bf16_triton_reduce(
     doc = pid // groups
     group = pid % groups
     chunks = tl.cdiv(Lq, BLOCK_Q)
-    blocks = tl.cdiv(Ld, BLOCK_L)
+    if FLAT_TOKENS:
+        # The flat-token tiles that hold this doc's tokens (its slots count from the first).
+        blocks = ((doc + 1) * Ld - 1) // BLOCK_L - doc * Ld // BLOCK_L + 1
+    else:
+        blocks = tl.cdiv(Ld, BLOCK_L)
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
     total = tl.zeros([QUERY_GROUP], dtype=tl.float32)
     for chunk in range(chunks):
@@ -544,6 +707,7 @@ def head_dense_nomask_bf16_triton_reduce_argmax(
     BLOCK_Q: tl.constexpr,
     BLOCK_L: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
+    FLAT_TOKENS: tl.constexpr,
 ):
     # One program per (document, query group): the max of each query token over the doc
     # blocks, summed over the query's tokens. A token with no valid doc token (fully
@@ -553,7 +717,11 @@ def head_dense_nomask_bf16_triton_reduce_argmax(
     doc = pid // groups
     group = pid % groups
     chunks = tl.cdiv(Lq, BLOCK_Q)
-    blocks = tl.cdiv(Ld, BLOCK_L)
+    if FLAT_TOKENS:
+        # The flat-token tiles that hold this doc's tokens (its slots count from the first).
+        blocks = ((doc + 1) * Ld - 1) // BLOCK_L - doc * Ld // BLOCK_L + 1
+    else:
+        blocks = tl.cdiv(Ld, BLOCK_L)
     rows = tl.arange(0, QUERY_GROUP * BLOCK_Q)
     total = tl.zeros([QUERY_GROUP], dtype=tl.float32)
     for chunk in range(chunks):
@@ -598,6 +766,11 @@ def forward_grid(Nd, Ld, BLOCK_L):
     return (Nd * cdiv(Ld, BLOCK_L),)
 
 
+def flat_forward_grid(Nd, Ld, BLOCK_L):
+    """Programs of the forward over flat tokens: one per BLOCK_L of the Nd * Ld."""
+    return (cdiv(Ld * Nd, BLOCK_L),)
+
+
 def reduce_grid(Nd, Nq, QUERY_GROUP):
     """Programs of the reduce: one per (document, query group)."""
     return (Nd * cdiv(Nq, QUERY_GROUP),)
@@ -606,6 +779,11 @@ def reduce_grid(Nd, Nq, QUERY_GROUP):
 def doc_blocks(Ld, BLOCK_L):
     """Blocks of BLOCK_L doc tokens per document: partial maxima per query token."""
     return cdiv(Ld, BLOCK_L)
+
+
+def flat_doc_blocks(Ld, BLOCK_L):
+    """Flat-token tiles one document can touch (it may start anywhere in a tile)."""
+    return cdiv(Ld - 1, BLOCK_L) + 1
 
 
 def scratch_columns(Nq, Lq, QUERY_GROUP, BLOCK_Q):
@@ -618,9 +796,23 @@ def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     return 2 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
+def flat_tokens(Ld, config):
+    """Whether the forward tiles the flat [Nd * Ld] token axis: only when Ld is not a
+    multiple of block_l (otherwise per-doc blocks hold no padding either)."""
+    return config.flat_tokens and Ld % config.block_l != 0
+
+
+def partial_blocks(Ld, config):
+    """Partial-max slots per doc and query column: doc blocks, or flat tiles a doc touches."""
+    if flat_tokens(Ld, config):
+        return flat_doc_blocks(Ld, config.block_l)
+    return doc_blocks(Ld, config.block_l)
+
+
 def _tma_operand(H, config):
-    """A TMA descriptor of H [Nd, Ld, d_model] when the config asks for one and the copy
-    engine can address H (16-byte aligned base and strides, unit last stride), else H."""
+    """A TMA descriptor of H when the config asks for one and the copy engine can address
+    H (16-byte aligned base and strides, unit last stride), else H. Flat tokens read H as
+    [Nd * Ld, d_model]: docs back to back, rows within int32 tile coordinates."""
     element = H.element_size()
     aligned = (
         H.stride(2) == 1
@@ -630,7 +822,13 @@ def _tma_operand(H, config):
     )
     if not (config.tma and TensorDescriptor is not None and aligned):
         return H, False
-    return TensorDescriptor.from_tensor(H, [1, config.block_l, config.block_m]), True
+    Nd, Ld, d_model = H.shape
+    if not flat_tokens(Ld, config):
+        return TensorDescriptor.from_tensor(H, [1, config.block_l, config.block_m]), True
+    if H.stride(0) != Ld * H.stride(1) or Nd * Ld >= 2**31:
+        return H, False
+    rows = H.as_strided((Nd * Ld, d_model), (H.stride(1), 1))
+    return TensorDescriptor.from_tensor(rows, [config.block_l, config.block_m]), True
 
 
 def launch(out, Q, H, W, *, b=None, argmax=None, config):
@@ -641,9 +839,10 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
     dot_dtype, input_precision = _dot_config(config)
     # Each forward program's max per query token over its doc block; every slot is
     # written by the forward before the reduce reads it.
+    flat = flat_tokens(Ld, config)
     shape = (
         Nd,
-        doc_blocks(Ld, config.block_l),
+        partial_blocks(Ld, config),
         scratch_columns(Nq, Lq, config.query_group, config.block_q),
     )
     partial = torch.empty(shape, dtype=torch.float32, device=out.device)
@@ -652,17 +851,19 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         partial_index = torch.empty(shape, dtype=torch.int32, device=out.device)
     even_m = d_model % config.block_m == 0
     h_operand, h_tma = _tma_operand(H, config)
+    grid = (flat_forward_grid if flat else forward_grid)(Nd, Ld, config.block_l)
     if b is None and argmax is None:
         Q_strides = Q.stride()
         H_strides = H.stride()
         W_strides = W.stride()
         partial_strides = partial.stride()
-        head_dense_nomask_bf16_triton_fwd_kernel[forward_grid(Nd, Ld, config.block_l)](
+        head_dense_nomask_bf16_triton_fwd_kernel[grid](
             Q,
             h_operand,
             W,
             partial,
             Nq,
+            Nd,
             Lq,
             Ld,
             d_model,
@@ -684,6 +885,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
             H_TMA=h_tma,
+            FLAT_TOKENS=flat,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -695,13 +897,14 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         H_strides = H.stride()
         W_strides = W.stride()
         partial_strides = partial.stride()
-        head_dense_nomask_bf16_triton_fwd_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
+        head_dense_nomask_bf16_triton_fwd_argmax_kernel[grid](
             Q,
             h_operand,
             W,
             partial,
             partial_index,
             Nq,
+            Nd,
             Lq,
             Ld,
             d_model,
@@ -723,6 +926,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
             H_TMA=h_tma,
+            FLAT_TOKENS=flat,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -735,13 +939,14 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         W_strides = W.stride()
         b_strides = b.stride()
         partial_strides = partial.stride()
-        head_dense_nomask_bf16_triton_fwd_bias_kernel[forward_grid(Nd, Ld, config.block_l)](
+        head_dense_nomask_bf16_triton_fwd_bias_kernel[grid](
             Q,
             h_operand,
             W,
             b,
             partial,
             Nq,
+            Nd,
             Lq,
             Ld,
             d_model,
@@ -764,6 +969,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
             H_TMA=h_tma,
+            FLAT_TOKENS=flat,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -776,7 +982,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
         W_strides = W.stride()
         b_strides = b.stride()
         partial_strides = partial.stride()
-        head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel[forward_grid(Nd, Ld, config.block_l)](
+        head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel[grid](
             Q,
             h_operand,
             W,
@@ -784,6 +990,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             partial,
             partial_index,
             Nq,
+            Nd,
             Lq,
             Ld,
             d_model,
@@ -806,6 +1013,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             QUERY_GROUP=config.query_group,
             EVEN_M=even_m,
             H_TMA=h_tma,
+            FLAT_TOKENS=flat,
             DOT_DTYPE=dot_dtype,
             INPUT_PRECISION=input_precision,
             num_warps=config.num_warps,
@@ -828,6 +1036,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,
+            FLAT_TOKENS=flat,
             num_warps=4,
         )
 
@@ -853,6 +1062,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             BLOCK_Q=config.block_q,
             BLOCK_L=config.block_l,
             QUERY_GROUP=config.query_group,
+            FLAT_TOKENS=flat,
             num_warps=4,
         )
 
