@@ -34,6 +34,10 @@ try:
     from triton.runtime.jit import JITFunction
 except ImportError:  # no Triton, or one without knobs (before 3.4): nothing to wrap
     JITFunction = None
+try:  # host-side TMA descriptors (the fused head reads its hidden states through one)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:
+    _TensorDescriptor = None
 
 # Triton versions whose compiled-kernel launch takes (grid x, y, z, stream, function,
 # packed metadata, launch metadata, enter hook, exit hook, *every bound argument):
@@ -91,6 +95,15 @@ def _other_specialization(arg):
         return _specializations((int(arg),))[0]
     if isinstance(arg, float):
         return float
+    if _TensorDescriptor is not None and type(arg) is _TensorDescriptor:
+        # Triton keys a descriptor by its element type and block shape; keyed here by
+        # everything but its base address (padding, rounding, each size's and stride's
+        # int facts too), a superset that stays safe whatever a version specializes.
+        # The launcher encodes the descriptor itself on every launch, either path.
+        sizes = _specializations((*arg.shape, *arg.strides))
+        rounding = getattr(arg, "round_f32_to_tf32", False)
+        block = tuple(arg.block_shape)
+        return _TensorDescriptor, arg.base.dtype, block, arg.padding, rounding, sizes
     return _UNKEYABLE
 
 

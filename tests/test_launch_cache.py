@@ -227,3 +227,63 @@ def test_inputs_on_another_gpu_than_the_current_one_are_scored_there():
     torch.testing.assert_close(Q.grad.double(), Q64.grad, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(D.grad.double(), D64.grad, rtol=1e-4, atol=1e-4)
     assert torch.cuda.current_device() == 0
+
+
+def _descriptor(dtype=torch.bfloat16, block=(16, 16), rows=64):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(torch.zeros(rows, 32, dtype=dtype), list(block))
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        _descriptor(torch.float16),  # element type
+        _descriptor(block=(32, 16)),  # block shape
+        _descriptor(rows=1),  # a size equal to 1
+        _descriptor(rows=40),  # a size not divisible by 16
+    ],
+    ids=["dtype", "block", "size-1", "size-40"],
+)
+def test_tma_descriptors_are_keyed_by_all_but_their_address(second):
+    """A descriptor of another tensor with the same facts reuses the compiled kernel and
+    reaches it as given (the launcher encodes it); other facts compile again."""
+    jit = FakeJit()
+    kernel = CachedLaunch(jit)
+    first, again = _descriptor(), _descriptor()
+    kernel[(1,)](first, 40, BLOCK=64)
+    kernel[(1,)](again, 40, BLOCK=64)
+    assert jit.triton_launches == 1
+    assert jit.compiled[0].launches[0][9] is again
+    kernel[(1,)](second, 40, BLOCK=64)
+    assert jit.triton_launches == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("Ld", [64, 300], ids=["doc-blocks", "flat-tokens"])
+def test_fused_head_scores_the_same_through_the_cache_and_through_triton(Ld):
+    """The fused head's H arrives as a TMA descriptor (per-doc [Nd, Ld, d_model] or flat
+    [Nd * Ld, d_model]); new descriptors of other tensors reuse the compiled kernel."""
+    from lik.runtime import head, registry
+
+    module = registry.load("head_dense_nomask_bf16_triton_norm")
+    name = "head_dense_nomask_bf16_triton_norm_fwd_bias_kernel"
+    kernel = getattr(module, name)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    Q = torch.randn(2, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(128, 256, generator=g, device="cuda", dtype=torch.bfloat16) / 16
+    b = torch.randn(128, generator=g, device="cuda", dtype=torch.bfloat16)
+    config = head.head_config(module, Q, Ld)
+    for _ in range(3):
+        H = torch.randn(5, Ld, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+        assert module._tma_operand(H, config)[1]
+        cached, _ = head._forward(Q, H, W, b, None, True, False, config)
+        setattr(module, name, kernel.kernel)  # Triton's path
+        try:
+            direct, _ = head._forward(Q, H, W, b, None, True, False, config)
+        finally:
+            setattr(module, name, kernel)
+        assert torch.equal(cached, direct)
+    # Every launch keyed (before descriptors were keyed, each stayed on Triton's path).
+    assert kernel._compiled and all(e is not None for e in kernel._compiled.values())
