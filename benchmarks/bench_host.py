@@ -8,7 +8,9 @@ Rows: lik.maxsim; the same call with the generated module's launch replaced by a
 0.4.5 and flash-maxsim 0.3.0 on the same inputs. Then the other rerank entries on the
 same docs: PLAID residuals (nbits 2, 1024 fp16 centroids; varlen with max_seqlen_d, as
 an index that knows its longest doc passes it) and fp8 with per-tensor scales, each
-beside late-interaction-kernels 0.4.5's entry of the same name.
+beside late-interaction-kernels 0.4.5's entry of the same name; and the fused head on
+hidden states of that shape (d_model 768 -> 128): maxsim_from_hidden, its generated
+launcher alone with H as a TMA descriptor and by pointer, and the peer's.
 
     python3 benchmarks/bench_host.py --out DIR [--calls 2000]
 """
@@ -84,6 +86,40 @@ def calls(q, docs) -> dict:
         fn, error = attempt(lambda p=package, f=function: getattr(__import__(p), f))
         table[label] = (lambda fn=fn: fn(q, docs)) if fn else f"error: {error}"
     table.update(compressed_calls(q, docs))
+    table.update(head_calls(q, docs))
+    return table
+
+
+HEAD_D_MODEL = 768
+
+
+def head_calls(q, docs) -> dict:
+    """Label -> call: the fused projection head (bias, normalize) on hidden states of the
+    docs' shape, lik's public call, its launcher (TMA descriptor or pointer), the peer's."""
+    import dataclasses
+
+    from lik.runtime import head, registry
+    from lik.runtime.keys import variant_name
+
+    nd, ld, dim = docs.shape
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(nd, ld, HEAD_D_MODEL, generator=g).to(q.device, q.dtype)
+    W = (torch.randn(dim, HEAD_D_MODEL, generator=g) * HEAD_D_MODEL**-0.5).to(q.device, q.dtype)
+    b = (torch.randn(dim, generator=g) * 0.03).to(q.device, q.dtype)
+    module = registry.load(variant_name("dense", False, False, True, q.dtype, op="head"))
+    config = head.head_config(module, q, ld)
+    out = torch.empty(q.shape[0], nd, device=q.device)
+    pointer = dataclasses.replace(config, tma=False)
+    table = {
+        "lik head.maxsim_from_hidden": lambda: head.maxsim_from_hidden(q, hidden, W, b),
+        "generated head launcher alone, H by TMA descriptor":
+            lambda: module.launch(out, q, hidden, W, b=b, config=config),
+        "generated head launcher alone, H by pointer":
+            lambda: module.launch(out, q, hidden, W, b=b, config=pointer),
+    }  # fmt: skip
+    peer, error = attempt(lambda: __import__("late_interaction_kernels.fused_head").fused_head)
+    table["LIK 0.4.5 fused_head.maxsim_from_hidden"] = (
+        (lambda: peer.maxsim_from_hidden(q, hidden, W, b)) if peer else f"error: {error}")
     return table
 
 
@@ -159,7 +195,8 @@ def markdown(report: dict) -> str:
     env = report["env"]
     return (f"# Host work per call on {report['gpu']}\n\n{env['date']}; commit "
             f"{env['commit'] or 'unknown'}; torch {env['torch']}, triton {env['triton']}.\n\n"
-            f"Tiny shape ({shape}; bf16, or PLAID / fp8 docs of that shape): calls back to "
+            f"Tiny shape ({shape}; bf16, or PLAID / fp8 docs or {HEAD_D_MODEL}-wide hidden "
+            "states of that shape): calls back to "
             "back are paced by the host. "
             f"Microseconds per call, best of {REPEATS} x {report['calls']} calls, one sync "
             "each.\n\n" + markdown_table(["call", "us per call"], rows) + "\n")  # fmt: skip
