@@ -239,7 +239,7 @@ def sweep_configs(shape: HeadShape, inputs, args) -> list[dict]:
 
     Q, H, W, b = (t.detach() for t in inputs)
     module = registry.load(variant_name("dense", False, False, True, Q.dtype, op="head"))
-    default = head.head_config(module, Q, H.shape[1])
+    default = head.head_config(module, Q, H.shape[1], H.numel() * H.element_size())
     grid = parse_sweep_grid(args.sweep_grid)
     if "query_group" not in grid:
         grid["query_group"] = tuple(sorted({default.query_group, max(1, default.query_group // 2)}))

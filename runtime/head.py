@@ -80,16 +80,22 @@ class HeadConfig:
 # Doc lengths from which a program projects 256 tokens instead of 128 (shorter docs
 # would spend a large share of each program's tensor-core work on padding rows).
 LONG_DOC_TOKENS = 512
+# Hidden-state bytes from which H is read through a TMA descriptor. The descriptor costs
+# host time on every call, which paces smaller calls back to back; larger ones are paced
+# by the GPU, where TMA reads faster. H200, Nq 1, Ld 300, 768 -> 128, back to back (us per
+# call, TMA / pointer; benchmarks/results/head_tma_H200.md): 118 MB 102 / 72, 236 MB
+# 88 / 98, 461 MB 155 / 176.
+TMA_MIN_HIDDEN_BYTES = 160 << 20
 
 
 @functools.cache
 def _default_config(
-    family: str, block_q: int, block_k: int, queries: int, long_docs: bool, smem_bytes
+    family: str, block_q: int, block_k: int, queries: int, long_docs: bool, tma: bool, smem_bytes
 ) -> HeadConfig:
     query_group = max(1, min(queries, STACKED_ROWS // block_q))
     if family == "interpreter":
         # numpy runs whole tiles: few, large steps are fastest.
-        return HeadConfig(block_q, 32, 32, block_k, query_group, 4, 1, interpret=True)
+        return HeadConfig(block_q, 32, 32, block_k, query_group, 4, 1, interpret=True, tma=tma)
     # Hopper: a matmul tile of 128 (or 256) doc tokens x 128 features, 64-wide d_model
     # steps, H tiles copied by TMA, the d_model loop pipelined num_stages deep. Swept on
     # an H200 (ms, one run; Nd 1024, Ld 2048, 768 -> 128):
@@ -110,18 +116,21 @@ def _default_config(
     limit = SMEM_LIMIT.get(family, DEFAULT_SMEM_LIMIT)
     while stages > 1 and smem_bytes(block_l, block_m, block_k, stages) > limit:
         stages -= 1
-    return HeadConfig(block_q, block_l, block_m, block_k, query_group, warps, stages)
+    return HeadConfig(block_q, block_l, block_m, block_k, query_group, warps, stages, tma=tma)
 
 
-def head_config(module, Q: torch.Tensor, doc_tokens: int | None = None) -> HeadConfig:
+def head_config(
+    module, Q: torch.Tensor, doc_tokens: int | None = None, hidden_bytes: int | None = None
+) -> HeadConfig:
     """The default launch config for scoring Q against docs of doc_tokens (Ld) hidden
-    states with a generated head module (no sweep)."""
+    states, hidden_bytes in all, with a generated head module (no sweep)."""
     Nq, Lq, d = Q.shape
     block_q = min(MAX_BLOCK_Q, max(MIN_BLOCK, next_power_of_two(Lq)))
     family = gpu_family(Q.device)
     long_docs = doc_tokens is not None and doc_tokens >= LONG_DOC_TOKENS
+    tma = hidden_bytes is None or hidden_bytes >= TMA_MIN_HIDDEN_BYTES
     return _default_config(
-        family, block_q, padded_head_dim(d), query_bucket(Nq), long_docs, module.smem_bytes
+        family, block_q, padded_head_dim(d), query_bucket(Nq), long_docs, tma, module.smem_bytes
     )
 
 
@@ -145,7 +154,7 @@ def _forward(Q, H, W, b, d_mask, normalize: bool, save_argmax: bool, config=None
     name = variant_name("dense", False, d_mask is not None, normalize, Q.dtype, op="head")
     module = registry.load(name)
     mask = validate.byte_mask(d_mask) if d_mask is not None else None
-    config = config or head_config(module, Q, Ld)
+    config = config or head_config(module, Q, Ld, H.numel() * H.element_size())
     while True:
         try:
             _launch_in_doc_chunks(module, out, Q, H, W, b, mask, argmax, config)

@@ -193,6 +193,16 @@ def test_launches_in_doc_chunks_with_even_d_model(monkeypatch, tma):
     assert torch.all(argmax[:, 1] == -1)
 
 
+def test_tma_reads_only_hidden_states_large_enough_to_pace_the_gpu():
+    """A TMA descriptor costs host time per call: small calls read H by pointer."""
+    Q = torch.zeros(1, 32, 128)
+    module = registry.load("head_dense_nomask_fp32_triton_norm")
+    limit = head.TMA_MIN_HIDDEN_BYTES
+    assert not head.head_config(module, Q, 300, limit - 1).tma
+    assert head.head_config(module, Q, 300, limit).tma
+    assert head.head_config(module, Q, 300).tma  # size unknown: the large-call default
+
+
 FLAT_CASES = {  # (Nd, Ld) against doc blocks of 16 tokens
     "several docs per tile": (9, 5),
     "docs across tile edges": (4, 37),
