@@ -32,9 +32,11 @@ from lik_gen.plan import (
 MODULE_TEMPLATE = "triton/head.py.j2"
 LAUNCH_TEMPLATE = "glue/head_launch.py.j2"
 
-# Sizes the forward kernels read. They vary call to call: never specialized (the launcher
-# passes d_model % BLOCK_M == 0 as the EVEN_M constexpr instead).
-DYNAMIC_SIZES = ("Nq", "Nd", "Lq", "Ld", "d_model")
+# Sizes the forward kernels read, with the launcher's expressions. They vary call to call:
+# never specialized (the launcher passes d_model % BLOCK_M == 0 as the EVEN_M constexpr
+# instead). tokens = Nd * Ld, the flat token count, is multiplied on the host: a Python
+# int, passed as int64 when it reaches 2**31.
+DYNAMIC_SIZES = {"Nq": "Nq", "tokens": "Nd * Ld", "Lq": "Lq", "Ld": "Ld", "d_model": "d_model"}
 # Sizes the reduce kernels read.
 REDUCE_SIZES = ("Nq", "Lq", "Ld")
 
@@ -111,7 +113,7 @@ def _kernel_args(variant: Variant, has_bias: bool, save_argmax: bool) -> tuple[K
     if save_argmax:
         tensors.append(KernelArg("PartialIndex", "partial_index"))
     strides += _strides("p", "partial", ("b", "n"))
-    sizes = [KernelArg(s, s) for s in DYNAMIC_SIZES + ("dim",)]
+    sizes = [KernelArg(s, expr) for s, expr in (*DYNAMIC_SIZES.items(), ("dim", "dim"))]
     return tuple(tensors + sizes + strides)
 
 
@@ -205,7 +207,7 @@ def plan_head(variant: Variant) -> HeadRenderContext:
         input_precision_interpreter=INPUT_PRECISION_INTERPRETER,
         kernels=tuple(kernels),
         reducers=reducers,
-        dynamic=DYNAMIC_SIZES,
+        dynamic=tuple(DYNAMIC_SIZES),
         reduce_dynamic=REDUCE_SIZES,
         launcher_keywords=("d_mask",) if variant.mask.has_d else (),
         formulas=_formulas(variant),

@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 8787792a4368d39cd6c8821a7df1c8c52507d87ba9ced69593986f4540818814
+# body-sha256: 53a852d21c415dae7c210e5a9850884b867cdf3746d564fabc5f8454cf350de9
 
 """Projection head + MaxSim forward for head_dense_dmask_bf16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -38,7 +38,7 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_kernel(
     Q,
     H,
@@ -46,7 +46,7 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
     d_mask,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -77,12 +77,12 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -168,7 +168,7 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -188,7 +188,7 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
     Q,
     H,
@@ -197,7 +197,7 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -228,12 +228,12 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -319,7 +319,7 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -355,7 +355,7 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_bias_kernel(
     Q,
     H,
@@ -364,7 +364,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
     d_mask,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -396,12 +396,12 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -488,7 +488,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -508,7 +508,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
     Q,
     H,
@@ -518,7 +518,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -550,12 +550,12 @@ def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -642,7 +642,7 @@ def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -901,7 +901,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             d_mask,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -946,7 +946,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -992,7 +992,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             d_mask,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -1040,7 +1040,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,

@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "d", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 4c0166ff8b990673f497c7188285e7e50635e1a27eae9679acb66b3dac0ff1ec
+# body-sha256: db0357f9be64c68712a0b7777b3752490b107b12b0967dd8d895145919b3c4ca
 
 """Projection head + MaxSim forward for head_dense_dmask_fp16_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -44,7 +44,7 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_kernel(
     Q,
     H,
@@ -52,7 +52,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
     d_mask,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -83,12 +83,12 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -175,7 +175,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -195,7 +195,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
     Q,
     H,
@@ -204,7 +204,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -235,12 +235,12 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -327,7 +327,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -363,7 +363,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_argmax_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
     Q,
     H,
@@ -372,7 +372,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
     d_mask,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -404,12 +404,12 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -497,7 +497,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -517,7 +517,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
     Q,
     H,
@@ -527,7 +527,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -559,12 +559,12 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -652,7 +652,7 @@ def head_dense_dmask_fp16_triton_norm_fwd_bias_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -911,7 +911,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             d_mask,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -956,7 +956,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -1002,7 +1002,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             d_mask,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -1050,7 +1050,7 @@ def launch(out, Q, H, W, *, b=None, d_mask, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,

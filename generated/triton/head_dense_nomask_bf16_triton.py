@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: ce16d75bf4ea049dab65c129fdf94be1fa1e830d23442c15059c3ca92a7b33e1
+# body-sha256: 55189148fe14c3ef37b922aa4c7a3e9c5ff29712301cad7143981ba1e5a54923
 
 """Projection head + MaxSim forward for head_dense_nomask_bf16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -38,14 +38,14 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_kernel(
     Q,
     H,
     W,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -74,12 +74,12 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -159,7 +159,7 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -179,7 +179,7 @@ def head_dense_nomask_bf16_triton_fwd_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     Q,
     H,
@@ -187,7 +187,7 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -216,12 +216,12 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -301,7 +301,7 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -337,7 +337,7 @@ def head_dense_nomask_bf16_triton_fwd_argmax_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     Q,
     H,
@@ -345,7 +345,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     Bias,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -375,12 +375,12 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -461,7 +461,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -481,7 +481,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     Q,
     H,
@@ -490,7 +490,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -520,12 +520,12 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -606,7 +606,7 @@ def head_dense_nomask_bf16_triton_fwd_bias_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -863,7 +863,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             W,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -904,7 +904,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -946,7 +946,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             b,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -990,7 +990,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,

@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: a8ef6a98cfbab1637d0511ad3c576930f4903973cd3bc92a40dabc02f328d89a
+# body-sha256: fad6ee19c4b7af3ac88162774931411b991ecb8b8ba5ee4faeb611e691c7dd87
 
 """Projection head + MaxSim forward for head_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -44,14 +44,14 @@ def _head_tile_rows(tile, chunks, rows, Nq, Lq, QUERY_GROUP: tl.constexpr, BLOCK
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp16_triton_norm_fwd_kernel(
     Q,
     H,
     W,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -80,12 +80,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -166,7 +166,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -186,7 +186,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
     Q,
     H,
@@ -194,7 +194,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -223,12 +223,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -309,7 +309,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -345,7 +345,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
     Q,
     H,
@@ -353,7 +353,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
     Bias,
     Partial,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -383,12 +383,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -470,7 +470,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # NaN-keeping max: a non-finite input never scores finite.
@@ -490,7 +490,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "Nd", "Lq", "Ld", "d_model"])
+@triton.jit(do_not_specialize=["Nq", "tokens", "Lq", "Ld", "d_model"])
 def head_dense_nomask_fp16_triton_norm_fwd_bias_argmax_kernel(
     Q,
     H,
@@ -499,7 +499,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_argmax_kernel(
     Partial,
     PartialIndex,
     Nq,
-    Nd,
+    tokens,
     Lq,
     Ld,
     d_model,
@@ -529,12 +529,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_argmax_kernel(
     # The 64-bit program index keeps H offsets exact past 2**31 elements.
     pid = tl.program_id(0).to(tl.int64)
     if FLAT_TOKENS:
-        # One program per BLOCK_L tokens of the flat [Nd * Ld] token axis: a tile may end
+        # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
         # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
-        t_in = offs_flat < Nd * Ld
+        t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
         row_offset = row_doc * stride_hb + offs_t * stride_ht
@@ -616,7 +616,7 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_argmax_kernel(
             # Each doc in the tile (two at most when Ld >= BLOCK_L) keeps its own max, in
             # the slot of this tile counted from the doc's first tile.
             first_doc = start // Ld
-            last_doc = (tl.minimum(start + BLOCK_L, Nd * Ld) - 1) // Ld
+            last_doc = (tl.minimum(start + BLOCK_L, tokens) - 1) // Ld
             for doc in range(first_doc, last_doc + 1):
                 slots = doc * stride_pb + (pid - doc * Ld // BLOCK_L) * stride_pn + columns
                 # A NaN similarity poisons its token's max for good (the argmax
@@ -873,7 +873,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             W,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -914,7 +914,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -956,7 +956,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             b,
             partial,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
@@ -1000,7 +1000,7 @@ def launch(out, Q, H, W, *, b=None, argmax=None, config):
             partial,
             partial_index,
             Nq,
-            Nd,
+            Nd * Ld,
             Lq,
             Ld,
             d_model,
