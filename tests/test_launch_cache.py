@@ -4,6 +4,7 @@ kernel served each launch. The GPU test compares the two paths on a generated ke
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -146,6 +147,17 @@ def test_attributes_are_the_jit_functions_and_other_functions_stay_unwrapped():
     assert cached_launch(plain) is plain
 
 
+@contextlib.contextmanager
+def tritons_path(module, name):
+    """Module attribute `name`, a cached launch, replaced by its JIT function meanwhile."""
+    kernel = getattr(module, name)
+    setattr(module, name, kernel.kernel)
+    try:
+        yield
+    finally:
+        setattr(module, name, kernel)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_generated_kernel_scores_the_same_through_the_cache_and_through_triton():
@@ -161,11 +173,8 @@ def test_generated_kernel_scores_the_same_through_the_cache_and_through_triton()
     for offset in (0, 1, 0, 1):  # bf16 offset 1: a 2-byte-aligned doc pointer
         D = storage[offset : offset + 7 * 37 * 64].view(7, 37, 64)
         cached = maxsim(Q, D)
-        module.maxsim_dense_nomask_bf16_triton_fwd_kernel = kernel.kernel  # Triton's path
-        try:
+        with tritons_path(module, "maxsim_dense_nomask_bf16_triton_fwd_kernel"):
             direct = maxsim(Q, D)
-        finally:
-            module.maxsim_dense_nomask_bf16_triton_fwd_kernel = kernel
         assert torch.equal(cached, direct)
     assert len(kernel._compiled) >= 2
 
@@ -279,11 +288,8 @@ def test_fused_head_scores_the_same_through_the_cache_and_through_triton(Ld):
         H = torch.randn(5, Ld, 256, generator=g, device="cuda", dtype=torch.bfloat16)
         assert module._tma_operand(H, config)[1]
         cached, _ = head._forward(Q, H, W, b, None, True, False, config)
-        setattr(module, name, kernel.kernel)  # Triton's path
-        try:
+        with tritons_path(module, name):
             direct, _ = head._forward(Q, H, W, b, None, True, False, config)
-        finally:
-            setattr(module, name, kernel)
         assert torch.equal(cached, direct)
     # Every launch keyed (before descriptors were keyed, each stayed on Triton's path).
     assert kernel._compiled and all(e is not None for e in kernel._compiled.values())

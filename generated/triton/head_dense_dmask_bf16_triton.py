@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_bf16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "d", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 53a852d21c415dae7c210e5a9850884b867cdf3746d564fabc5f8454cf350de9
+# body-sha256: d9bddd9ccaee5759f2a1e1024336622920a00f42e148c56690e47850130a9257
 
 """Projection head + MaxSim forward for head_dense_dmask_bf16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -79,13 +79,12 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -96,14 +95,13 @@ def head_dense_dmask_bf16_triton_fwd_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
@@ -230,13 +228,12 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -247,14 +244,13 @@ def head_dense_dmask_bf16_triton_fwd_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
@@ -398,13 +394,12 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -415,14 +410,13 @@ def head_dense_dmask_bf16_triton_fwd_bias_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
@@ -552,13 +546,12 @@ def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -569,14 +562,13 @@ def head_dense_dmask_bf16_triton_fwd_bias_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)

@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 467aa358e3ba59ee24c8f05349ee915edfaab923b2972864a89df81ad7566251
+# body-sha256: e0135042a0594e860329bd01acc0ac673ea5c5be587da96712d46b7874f3cdd7
 
 """Projection head + MaxSim forward for head_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -85,13 +85,12 @@ def head_dense_dmask_fp32_triton_norm_fwd_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -102,14 +101,13 @@ def head_dense_dmask_fp32_triton_norm_fwd_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
@@ -237,13 +235,12 @@ def head_dense_dmask_fp32_triton_norm_fwd_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -254,14 +251,13 @@ def head_dense_dmask_fp32_triton_norm_fwd_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
@@ -406,13 +402,12 @@ def head_dense_dmask_fp32_triton_norm_fwd_bias_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -423,14 +418,13 @@ def head_dense_dmask_fp32_triton_norm_fwd_bias_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)
@@ -561,13 +555,12 @@ def head_dense_dmask_fp32_triton_norm_fwd_bias_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -578,14 +571,13 @@ def head_dense_dmask_fp32_triton_norm_fwd_bias_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
-    if FLAT_TOKENS:
-        mask_offset = row_doc * stride_dmb + offs_t * stride_dmt
-    else:
-        mask_offset = doc * stride_dmb + offs_t * stride_dmt
-    t_valid = t_in & (tl.load(d_mask + mask_offset, mask=t_in, other=0) != 0)
+    t_valid = t_in & (
+        tl.load(d_mask + row_doc * stride_dmb + offs_t * stride_dmt, mask=t_in, other=0) != 0
+    )
     # A block of padding only is not projected: its d_model loop runs zero times (a loop
     # bound, not a branch around the loop, which would keep it from being pipelined).
     k_end = d_model * tl.max(t_valid.to(tl.int32), axis=0)

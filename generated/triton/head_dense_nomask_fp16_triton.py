@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_fp16_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 81650c9357d693f9b46815121cf8188ca167517a3635b239d1e994ffb2786622
+# body-sha256: f7bd8e8f9b40c3de844d45c6aace7d6074bdeb5698685ac2f67318bb6ba0756c
 
 """Projection head + MaxSim forward for head_dense_nomask_fp16_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -76,13 +76,12 @@ def head_dense_nomask_fp16_triton_fwd_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -93,7 +92,8 @@ def head_dense_nomask_fp16_triton_fwd_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
@@ -218,13 +218,12 @@ def head_dense_nomask_fp16_triton_fwd_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -235,7 +234,8 @@ def head_dense_nomask_fp16_triton_fwd_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
@@ -377,13 +377,12 @@ def head_dense_nomask_fp16_triton_fwd_bias_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -394,7 +393,8 @@ def head_dense_nomask_fp16_triton_fwd_bias_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
@@ -522,13 +522,12 @@ def head_dense_nomask_fp16_triton_fwd_bias_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -539,7 +538,8 @@ def head_dense_nomask_fp16_triton_fwd_bias_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in

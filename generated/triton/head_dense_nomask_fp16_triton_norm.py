@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: fad6ee19c4b7af3ac88162774931411b991ecb8b8ba5ee4faeb611e691c7dd87
+# body-sha256: 4c2bd011d6102862c673db6b0b69edd1640c7636f8ba9b154d74e44ca1c9f905
 
 """Projection head + MaxSim forward for head_dense_nomask_fp16_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -82,13 +82,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -99,7 +98,8 @@ def head_dense_nomask_fp16_triton_norm_fwd_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
@@ -225,13 +225,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -242,7 +241,8 @@ def head_dense_nomask_fp16_triton_norm_fwd_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
@@ -385,13 +385,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -402,7 +401,8 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
@@ -531,13 +531,12 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_argmax_kernel(
     if FLAT_TOKENS:
         # One program per BLOCK_L of the flat axis of tokens = Nd * Ld: a tile may end
         # one doc and start the next (or hold several short docs), so when Ld is not a
-        # multiple of BLOCK_L no program projects padding rows. Each row knows its doc.
+        # multiple of BLOCK_L no program projects padding rows. row_doc: each row's doc.
         start = pid * BLOCK_L
         offs_flat = start + tl.arange(0, BLOCK_L)
         t_in = offs_flat < tokens
         row_doc = offs_flat // Ld
         offs_t = offs_flat % Ld
-        row_offset = row_doc * stride_hb + offs_t * stride_ht
     else:
         # One program per (document, block of BLOCK_L doc tokens): Nd * cdiv(Ld, BLOCK_L)
         # programs, each one GEMM tile [BLOCK_L, d_model] x [d_model, BLOCK_K] plus an
@@ -548,7 +547,8 @@ def head_dense_nomask_fp16_triton_norm_fwd_bias_argmax_kernel(
         start = block * BLOCK_L
         offs_t = start + tl.arange(0, BLOCK_L)
         t_in = offs_t < Ld
-        row_offset = doc * stride_hb + offs_t * stride_ht
+        row_doc = doc
+    row_offset = row_doc * stride_hb + offs_t * stride_ht
     offs_k = tl.arange(0, BLOCK_K)
     k_in = offs_k < dim
     t_valid = t_in
