@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: f409b51b35dbd95ee2439b0d686a86d4e1dab125244f52d2c0fcfd51ec271aaa
+# body-sha256: d6ec2bae0dbcadfcc480aceb84607efd717d76511f3123c6b16fd42100ebd6ce
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -46,7 +46,7 @@ def _reverse_byte_bits(word):
 
 
 @triton.jit
-def _bucket_ids(
+def _residual_units(
     Residuals,
     residual_base,
     offs_t,
@@ -57,12 +57,17 @@ def _bucket_ids(
     stride_rt,
     stride_rp,
     RESIDUAL_WORDS: tl.constexpr,
+    REVERSE_BITS: tl.constexpr,
 ):
-    """The [BLOCK_L, BLOCK_K] bucket ids of tokens offs_t; where not valid (past the doc
-    or past dim) they are unspecified, and the caller masks them."""
+    """Per token and dim, the packed unit that holds the dim's bucket bits: its int32 word
+    (RESIDUAL_WORDS) or its byte, as uint32 [BLOCK_L, BLOCK_K]; and per dim, flat [BLOCK_K],
+    the offset of the dim's first flat bit k * nbits within its unit. REVERSE_BITS: each
+    byte's bits reversed first, so that bucket bit i is unit bit flat + i; else it is bit
+    (flat + i) ^ 7, where numpy.packbits put it. Where not valid (past the doc or past dim)
+    the units are unspecified, and the caller masks them."""
     if RESIDUAL_WORDS:
         # Residuals is the int32 word view of the packed bytes: one vector load of a few
-        # words per token, then every dim's bits shifted out of its word in registers
+        # words per token, then every dim's bits taken from its word in registers
         # (a load of the byte per dim took twice as long on H100 and H200:
         # benchmarks/results/plaid_decode_probe.md).
         PER_WORD: tl.constexpr = 32 // 2
@@ -71,25 +76,28 @@ def _bucket_ids(
             Residuals + residual_base + offs_t[:, None] * stride_rt + offs_w[None, :] * stride_rp,
             mask=in_doc[:, None] & (offs_w[None, :] * PER_WORD < dim),
             other=0,
+        ).to(tl.uint32, bitcast=True)
+        if REVERSE_BITS:  # once per word, before each dim gets its copy
+            words = _reverse_byte_bits(words)
+        units = tl.reshape(
+            tl.broadcast_to(words[:, :, None], [offs_t.shape[0], offs_w.shape[0], PER_WORD]),
+            [offs_t.shape[0], offs_k.shape[0]],
         )
-        words = _reverse_byte_bits(words.to(tl.uint32, bitcast=True))
-        shifts = tl.arange(0, PER_WORD) * 2
-        bucket = tl.reshape(
-            words[:, :, None] >> shifts[None, None, :], [offs_t.shape[0], offs_k.shape[0]]
-        )
+        flat = (offs_k * 2) % 32
     else:
         # All bits of one dim's bucket share a byte (8 is a multiple of nbits).
-        first_bit = offs_k * 2
-        packed = tl.load(
+        units = tl.load(
             Residuals
             + residual_base
             + offs_t[:, None] * stride_rt
-            + (first_bit // 8)[None, :] * stride_rp,
+            + (offs_k * 2 // 8)[None, :] * stride_rp,
             mask=valid,
             other=0,
-        )
-        bucket = _reverse_byte_bits(packed.to(tl.uint32)) >> (first_bit % 8)[None, :]
-    return (bucket & ((1 << 2) - 1)).to(tl.int32)
+        ).to(tl.uint32)
+        if REVERSE_BITS:
+            units = _reverse_byte_bits(units)
+        flat = (offs_k * 2) % 8
+    return units, flat
 
 
 @triton.jit
@@ -121,12 +129,16 @@ def _load_doc_tile(
     code = tl.load(Codes + code_base + offs_t * stride_ct, mask=in_doc, other=0).to(tl.int64)
     code_ok = (code >= 0) & (code < n_centroids)
     code = tl.where(code_ok, code, 0)
-    centroid = tl.load(
-        Centroids + code[:, None] * stride_centn + offs_k[None, :] * stride_centk,
-        mask=valid,
-        other=0.0,
-    )
-    bucket = _bucket_ids(
+    centroid_at = Centroids + code[:, None] * stride_centn + offs_k[None, :] * stride_centk
+    # A bad code's row is not read but filled with NaN, so one select per dim (past Ld and
+    # dim) masks the decode. Four weights, in fp32, picked by the bucket's two bits, each
+    # tested where packbits put it (no bit reversal): with a gather per dim 12% slower
+    # (probe). Against a bit-reversed bucket id, fp16 weights and two selects: H200, 4096
+    # docs, 0.165 -> 0.144 ms dense and 0.203 -> 0.146 varlen; the bit tests without the
+    # fill ran 0.180 on both (benchmarks/results/plaid_decode_ab_H200.md).
+    fill = tl.where(code_ok, 0.0, float("nan")).to(Centroids.dtype.element_ty)
+    centroid = tl.load(centroid_at, mask=valid & code_ok[:, None], other=fill[:, None])
+    units, flat = _residual_units(
         Residuals,
         residual_base,
         offs_t,
@@ -137,19 +149,22 @@ def _load_doc_tile(
         stride_rt,
         stride_rp,
         RESIDUAL_WORDS,
+        False,
     )
-    # Four weights: picked by the bucket's two bits in registers, 12% faster than a
-    # gather per dim (probe; with 16 weights the select tree lost to the gather).
-    low = tl.where((bucket & 1) != 0, tl.load(BucketWeights + stride_wb), tl.load(BucketWeights))
+    bit0 = (units & (1 << (flat ^ 7))[None, :]) != 0
+    bit1 = (units & (1 << ((flat + 1) ^ 7))[None, :]) != 0
+    low = tl.where(
+        bit0,
+        tl.load(BucketWeights + stride_wb).to(tl.float32),
+        tl.load(BucketWeights).to(tl.float32),
+    )
     high = tl.where(
-        (bucket & 1) != 0,
-        tl.load(BucketWeights + 3 * stride_wb),
-        tl.load(BucketWeights + 2 * stride_wb),
+        bit0,
+        tl.load(BucketWeights + 3 * stride_wb).to(tl.float32),
+        tl.load(BucketWeights + 2 * stride_wb).to(tl.float32),
     )
-    weight = tl.where((bucket & 2) != 0, high, low)
-    value = centroid.to(tl.float32) + weight.to(tl.float32)
-    value = tl.where(code_ok[:, None], value, float("nan"))
-    return tl.where(valid, value, 0.0)
+    weight = tl.where(bit1, high, low)
+    return tl.where(valid, centroid.to(tl.float32) + weight, 0.0)
 
 
 @cached_launch
