@@ -302,15 +302,25 @@ COMPOSED_TRAINING_MAX_DOC_VALUES = 1 << 24
 
 def _composed_scores(Q, H, W, b, d_mask, normalize: bool) -> torch.Tensor:
     """maxsim_from_hidden for training as three autograd steps: the projection (PyTorch's
-    matmul in the inputs' dtype), the normalization in fp32, then lik's maxsim on the
-    docs rounded back to Q's dtype, whose generated backward routes each gradient to the
-    winning doc tokens. Against the fused kernel, the projection is rounded once more
-    (before the normalization); the ops are tensor-core matmuls and a few elementwise
-    passes instead of the fused backward's fp32 re-projection and winner gathers."""
+    matmul in the inputs' dtype), the normalization, then lik's maxsim, whose generated
+    backward routes each gradient to the winning doc tokens. Against the fused kernel,
+    the projection is rounded once more (before the normalization); the ops are
+    tensor-core matmuls and a few elementwise passes instead of the fused backward's fp32
+    re-projection and winner gathers.
+
+    The normalization is one rms_norm (computed in fp32, rounded once to the docs'
+    dtype), which leaves each token at norm sqrt(d), so the scores are divided by
+    sqrt(d) after the maxsim. The step is paced by the host, and rms_norm is one op
+    where F.normalize in fp32 was five: H200, an in-batch step of 32 x 32 docs of 300
+    tokens, 768 -> 128, 1.53-1.65 -> 0.93-1.36 ms back to back, LIK 0.4.5 1.35-1.56
+    (benchmarks/results/head_training_norm_H200.md). Its eps, 1e-24 / d inside the mean,
+    matches F.normalize's 1e-12 floor on the norm except for tokens of norm near 1e-12."""
     docs = F.linear(H, W, b)
-    if normalize:
-        docs = F.normalize(docs.float(), dim=-1).to(Q.dtype)
-    return maxsim(Q, docs, d_mask=d_mask)
+    if not normalize:
+        return maxsim(Q, docs, d_mask=d_mask)
+    dim = docs.shape[-1]
+    docs = F.rms_norm(docs, (dim,), eps=1e-24 / dim)
+    return maxsim(Q, docs, d_mask=d_mask) * dim**-0.5
 
 
 class _MaxSimFromHidden(torch.autograd.Function):
