@@ -107,7 +107,8 @@ def plan_residual(variant: Variant) -> RenderContext:
         doc_tile_inputs=("Codes", "Residuals", "Centroids", "BucketWeights", "code_base",
                          "residual_base"),
         doc_tile_params=("stride_ct", "stride_rt", "stride_rp", "stride_centn", "stride_centk",
-                         "stride_wb", "n_centroids", "RESIDUAL_WORDS"),
+                         "stride_wb", "n_centroids", "RESIDUAL_WORDS")
+        + (() if variant.decompression is Decompression.RESIDUAL4 else ("EVEN_K",)),
         doc_bases=(("code_base", "c"), ("residual_base", "r")),
         doc_lengths=dense,
         even_tiles=False,  # a doc ends at its own length

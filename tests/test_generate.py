@@ -220,15 +220,19 @@ def test_list_and_explain(capsys):
 
 def test_doc_tile_hook_constexprs_reach_kernel_and_launcher():
     """A hook's constexprs (DOC_TILE_CONSTEXPRS) become forward parameters set per call:
-    evict-first loads for streamed uncompressed docs, word reads for PLAID residuals."""
+    evict-first loads for streamed uncompressed docs, word reads and a full head dim for
+    PLAID residuals."""
     streamed = plan(Variant.parse("maxsim_dense_nomask_bf16_triton"))
     residual = plan(Variant.parse("maxsim_dense_nomask_fp16_triton_norm_res2"))
     training = plan(Variant.parse("maxsim_dense_nomask_bf16_triton_lowmem"))
     assert streamed.doc_tile_constexprs == ("EVICT_DOCS",)
-    assert residual.doc_tile_constexprs == ("RESIDUAL_WORDS",)
+    assert residual.doc_tile_constexprs == ("RESIDUAL_WORDS", "EVEN_K")
+    nbits4 = plan(Variant.parse("maxsim_dense_nomask_fp16_triton_norm_res4"))
+    assert nbits4.doc_tile_constexprs == ("RESIDUAL_WORDS",)  # slower with EVEN_K
     assert training.doc_tile_constexprs == ()
     assert "EVICT_DOCS=config.evict_docs" in streamed.fwd_options
     assert "RESIDUAL_WORDS=residuals.dtype == torch.int32" in residual.fwd_options
+    assert "EVEN_K=Q.shape[-1] == config.block_k" in residual.fwd_options
     text = (ROOT / "generated" / "triton" / f"{residual.name}.py").read_text()
-    assert "    RESIDUAL_WORDS: tl.constexpr,\n):" in text
+    assert "    RESIDUAL_WORDS: tl.constexpr,\n    EVEN_K: tl.constexpr,\n):" in text
     assert "EVICT_DOCS" not in text.replace("EVICT_DOCS_OPTION = False", "")

@@ -128,7 +128,13 @@ def test_every_residual_variant_is_declared():
 # Head dims per storage of the packed residuals: as bytes, 20 is not a power of two (and
 # 5 or 10 bytes per token at nbits 2 or 4); as int32 words (RESIDUAL_WORDS) a token needs a
 # whole number of words, and d 63 at nbits 2 or 4 leaves the last word partly unused.
-RESIDUAL_DIMS = {"bytes": {2: 20, 4: 20, 8: 20}, "words": {2: 63, 4: 63, 8: 20}}
+# "words, d = BLOCK_K": no dim past d (EVEN_K), where the kernel leaves the tokens past a
+# doc's length unmasked in the tile and relies on the forward's similarity mask.
+RESIDUAL_DIMS = {
+    "bytes": {2: 20, 4: 20, 8: 20},
+    "words": {2: 63, 4: 63, 8: 20},
+    "words, d = BLOCK_K": {2: 64, 4: 32, 8: 32},
+}
 
 
 @needs_kernels
@@ -143,7 +149,7 @@ def test_variant_matches_reference(name, storage):
     # lengths Ld, 0 and 1 among the docs.
     B, Ld, dim, Nq, Lq = 3, 37, RESIDUAL_DIMS[storage][nbits], 3, 5
     codes, residuals, centroids, weights = synthetic_index(g, B, Ld, dim, nbits, dtype=dtype)
-    stored = residuals.view(torch.int32) if storage == "words" else residuals
+    stored = residuals.view(torch.int32) if storage.startswith("words") else residuals
     lengths = torch.tensor([Ld, 0, 1])
     Q = torch.randn(Nq, Lq, dim, generator=g)
     ref = maxsim_residual_reference(Q.double(), codes, residuals, lengths, centroids.double(),
@@ -257,17 +263,19 @@ def test_query_dtypes_and_int32_codes():
 
 
 @needs_kernels
-def test_bad_lengths_and_codes_poison_only_their_doc():
-    codes, residuals, lengths, centroids, weights, g = _index(nbits=4, B=6, Ld=9)
+@pytest.mark.parametrize("nbits, dim", [(4, 24), (2, 32), (4, 32)])  # d 32: EVEN_K
+def test_bad_lengths_and_codes_poison_only_their_doc(nbits, dim):
+    codes, residuals, lengths, centroids, weights, g = _index(nbits=nbits, B=6, Ld=9, dim=dim)
     lengths = torch.tensor([9, -1, 10, 4, 4, 0])
     codes[3, 2] = 11  # == n_centroids, on a valid token
     codes[4, 6] = -5  # past doc 4's length: never read as a token
-    Q = torch.randn(2, 5, 24, generator=g)
-    out = plaid.maxsim_residual(*_to(DEVICE, Q, codes, residuals, lengths, centroids, weights), 4)
+    Q = torch.randn(2, 5, dim, generator=g)
+    out = plaid.maxsim_residual(*_to(DEVICE, Q, codes, residuals, lengths, centroids, weights),
+                                nbits)  # fmt: skip
     nan = torch.isnan(out).all(0).cpu()
     assert nan.tolist() == [False, True, True, True, False, False]
     ref = maxsim_residual_reference(Q.double(), codes, residuals, lengths, centroids.double(),
-                                    weights.double(), 4)  # fmt: skip
+                                    weights.double(), nbits)  # fmt: skip
     assert torch.equal(torch.isnan(ref), torch.isnan(out.cpu()))
     keep = ~nan
     assert relative_error(out[:, keep], ref[:, keep]) < _bound(torch.float16)

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c16c8d29934f6e2ae8900f96923b721c3a551510ca58b7d9aeb76c950b8808bd
+# body-sha256: 7967edb2e8ae4907acb09258617fcb6656b9e2fd0dea2b2b8b9a6e4420772cc3
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -121,12 +121,19 @@ def _load_doc_tile(
     stride_wb,
     n_centroids,
     RESIDUAL_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Doc tokens offs_t of one document decoded from 8-bit residuals, in fp32;
-    zeros past Ld and dim. A code outside [0, n_centroids) decodes to NaN: the doc's score
-    turns NaN instead of reading another centroid or out of bounds."""
+    zeros past dim. Past Ld: zeros, or with EVEN_K (dim == BLOCK_K) finite values left
+    unmasked, since the forward masks those tokens' similarities (a PLAID doc has its own
+    length, so every tile that reaches past it is masked): one select per dim less. A
+    code outside [0, n_centroids) decodes to NaN: the doc's score turns NaN instead of
+    reading another centroid or out of bounds."""
     in_doc = offs_t < Ld
-    valid = in_doc[:, None] & (offs_k[None, :] < dim)
+    if EVEN_K:
+        valid = tl.broadcast_to(in_doc[:, None], [offs_t.shape[0], offs_k.shape[0]])
+    else:
+        valid = in_doc[:, None] & (offs_k[None, :] < dim)
     code = tl.load(Codes + code_base + offs_t * stride_ct, mask=in_doc, other=0).to(tl.int64)
     code_ok = (code >= 0) & (code < n_centroids)
     code = tl.where(code_ok, code, 0)
@@ -154,7 +161,9 @@ def _load_doc_tile(
     value = tl.where(
         code_ok[:, None], centroid.to(tl.float32) + weight.to(tl.float32), float("nan")
     )
-    return tl.where(valid, value, 0.0)
+    if not EVEN_K:
+        value = tl.where(valid, value, 0.0)
+    return value
 
 
 @cached_launch
@@ -201,6 +210,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
     PEEL_TAIL: tl.constexpr,
     TAIL_L: tl.constexpr,
     RESIDUAL_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -280,6 +290,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
                         stride_wb,
                         n_centroids,
                         RESIDUAL_WORDS,
+                        EVEN_K,
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -309,6 +320,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
                             stride_wb,
                             n_centroids,
                             RESIDUAL_WORDS,
+                            EVEN_K,
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -341,6 +353,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
                             stride_wb,
                             n_centroids,
                             RESIDUAL_WORDS,
+                            EVEN_K,
                         )
                         sim = tl.dot(
                             q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -373,6 +386,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
                         stride_wb,
                         n_centroids,
                         RESIDUAL_WORDS,
+                        EVEN_K,
                     )
                     sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
                     sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -487,6 +501,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res8_fwd_kernel(
                 stride_wb,
                 n_centroids,
                 RESIDUAL_WORDS,
+                EVEN_K,
             )
             sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -614,6 +629,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         DOC_SPLITS=splits,
         PEEL_TAIL=config.peel_tail,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
+        EVEN_K=Q.shape[-1] == config.block_k,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )
 

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 23e672022c3772f4751a341fb637fa9d5c17b45b94d902b8e8651553dcef93ce
+# body-sha256: 24fe7230a3e14de11043059bd6e09294773184fab9c28d33e57a7f582e053b06
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -120,18 +120,25 @@ def _load_doc_tile(
     stride_wb,
     n_centroids,
     RESIDUAL_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Doc tokens offs_t of one document decoded from 2-bit residuals, in fp32;
-    zeros past Ld and dim. A code outside [0, n_centroids) decodes to NaN: the doc's score
-    turns NaN instead of reading another centroid or out of bounds."""
+    zeros past dim. Past Ld: zeros, or with EVEN_K (dim == BLOCK_K) finite values left
+    unmasked, since the forward masks those tokens' similarities (a PLAID doc has its own
+    length, so every tile that reaches past it is masked): one select per dim less. A
+    code outside [0, n_centroids) decodes to NaN: the doc's score turns NaN instead of
+    reading another centroid or out of bounds."""
     in_doc = offs_t < Ld
-    valid = in_doc[:, None] & (offs_k[None, :] < dim)
+    if EVEN_K:
+        valid = tl.broadcast_to(in_doc[:, None], [offs_t.shape[0], offs_k.shape[0]])
+    else:
+        valid = in_doc[:, None] & (offs_k[None, :] < dim)
     code = tl.load(Codes + code_base + offs_t * stride_ct, mask=in_doc, other=0).to(tl.int64)
     code_ok = (code >= 0) & (code < n_centroids)
     code = tl.where(code_ok, code, 0)
     centroid_at = Centroids + code[:, None] * stride_centn + offs_k[None, :] * stride_centk
-    # A bad code's row is not read but filled with NaN, so one select per dim (past Ld and
-    # dim) masks the decode. Four weights, in fp32, picked by the bucket's two bits, each
+    # A bad code's row is not read but filled with NaN, so at most one select per dim (past
+    # Ld and dim) masks the decode. Four weights, in fp32, picked by the bucket's two bits, each
     # tested where packbits put it (no bit reversal): with a gather per dim 12% slower
     # (probe). Against a bit-reversed bucket id, fp16 weights and two selects: H200, 4096
     # docs, 0.165 -> 0.144 ms dense and 0.203 -> 0.146 varlen; the bit tests without the
@@ -164,7 +171,10 @@ def _load_doc_tile(
         tl.load(BucketWeights + 2 * stride_wb).to(tl.float32),
     )
     weight = tl.where(bit1, high, low)
-    return tl.where(valid, centroid.to(tl.float32) + weight, 0.0)
+    value = centroid.to(tl.float32) + weight
+    if not EVEN_K:
+        value = tl.where(valid, value, 0.0)
+    return value
 
 
 @cached_launch
@@ -201,6 +211,7 @@ def maxsim_varlen_nomask_bf16_triton_norm_res2_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     RESIDUAL_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -268,6 +279,7 @@ def maxsim_varlen_nomask_bf16_triton_norm_res2_fwd_kernel(
             stride_wb,
             n_centroids,
             RESIDUAL_WORDS,
+            EVEN_K,
         )
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -369,6 +381,7 @@ def launch(
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
+        EVEN_K=Q.shape[-1] == config.block_k,
     )
 
     return out

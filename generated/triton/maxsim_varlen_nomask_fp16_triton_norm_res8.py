@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 36dea0892ba67aed77e3b3560b0dc7ffd7fa5cbcb125acbd29e8b09d0122b904
+# body-sha256: 3e21d0e8d6ac501f2974a25978ff878c351030c0547de9032c91f5d177df1dfb
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -120,12 +120,19 @@ def _load_doc_tile(
     stride_wb,
     n_centroids,
     RESIDUAL_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """Doc tokens offs_t of one document decoded from 8-bit residuals, in fp32;
-    zeros past Ld and dim. A code outside [0, n_centroids) decodes to NaN: the doc's score
-    turns NaN instead of reading another centroid or out of bounds."""
+    zeros past dim. Past Ld: zeros, or with EVEN_K (dim == BLOCK_K) finite values left
+    unmasked, since the forward masks those tokens' similarities (a PLAID doc has its own
+    length, so every tile that reaches past it is masked): one select per dim less. A
+    code outside [0, n_centroids) decodes to NaN: the doc's score turns NaN instead of
+    reading another centroid or out of bounds."""
     in_doc = offs_t < Ld
-    valid = in_doc[:, None] & (offs_k[None, :] < dim)
+    if EVEN_K:
+        valid = tl.broadcast_to(in_doc[:, None], [offs_t.shape[0], offs_k.shape[0]])
+    else:
+        valid = in_doc[:, None] & (offs_k[None, :] < dim)
     code = tl.load(Codes + code_base + offs_t * stride_ct, mask=in_doc, other=0).to(tl.int64)
     code_ok = (code >= 0) & (code < n_centroids)
     code = tl.where(code_ok, code, 0)
@@ -153,7 +160,9 @@ def _load_doc_tile(
     value = tl.where(
         code_ok[:, None], centroid.to(tl.float32) + weight.to(tl.float32), float("nan")
     )
-    return tl.where(valid, value, 0.0)
+    if not EVEN_K:
+        value = tl.where(valid, value, 0.0)
+    return value
 
 
 @cached_launch
@@ -190,6 +199,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_res8_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     RESIDUAL_WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -257,6 +267,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_res8_fwd_kernel(
             stride_wb,
             n_centroids,
             RESIDUAL_WORDS,
+            EVEN_K,
         )
         sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
@@ -358,6 +369,7 @@ def launch(
         num_stages=config.num_stages,
         QUERY_GROUP=config.query_group,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
+        EVEN_K=Q.shape[-1] == config.block_k,
     )
 
     return out
