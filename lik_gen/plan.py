@@ -163,6 +163,10 @@ class RenderContext:
     doc_tile_params: tuple[str, ...] = ("stride_dt", "stride_dk")
     doc_bases: tuple[tuple[str, str], ...] = (("d_base", "d"),)
     doc_lengths: bool = False
+    # Where not empty, the hook also defines _doc_tile_ahead(*doc_tile_ahead, offs_t, d_len):
+    # a part of the tile that the forward's tile loops load one tile ahead and hand to
+    # _load_doc_tile as its first argument.
+    doc_tile_ahead: tuple[str, ...] = ()
     nbits: int = 0
     # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
     # Ld, chosen per call) and then masks no doc token.

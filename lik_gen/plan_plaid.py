@@ -95,6 +95,16 @@ def plan_residual(variant: Variant) -> RenderContext:
     launcher += [name for name in base.launcher_args if name not in ("Q", "D")]
     sizes = [KernelArg(s.name, s.expr.replace("D.shape", "codes.shape")) for s in base.size_exprs]
     sizes.append(KernelArg("n_centroids", "centroids.shape[0]"))
+    tile_inputs = ("Codes", "Residuals", "Centroids", "BucketWeights", "code_base",
+                   "residual_base")
+    tile_params = ("stride_ct", "stride_rt", "stride_rp", "stride_centn", "stride_centk",
+                   "stride_wb", "n_centroids", "RESIDUAL_WORDS")
+    if variant.decompression is not Decompression.RESIDUAL4:
+        tile_params += ("EVEN_K",)
+    # nbits 2 loads each tile's centroid ids a tile ahead (residual.py.j2 says why).
+    ahead = ("Codes", "code_base", "stride_ct")
+    if variant.decompression is not Decompression.RESIDUAL2:
+        ahead = ()
     return dataclasses.replace(
         base,
         name=variant.name,
@@ -104,13 +114,12 @@ def plan_residual(variant: Variant) -> RenderContext:
         size_exprs=tuple(sizes),
         launcher_args=tuple(launcher),
         doc_tile_hook=RESIDUAL_HOOK,
-        doc_tile_inputs=("Codes", "Residuals", "Centroids", "BucketWeights", "code_base",
-                         "residual_base"),
-        doc_tile_params=("stride_ct", "stride_rt", "stride_rp", "stride_centn", "stride_centk",
-                         "stride_wb", "n_centroids", "RESIDUAL_WORDS")
-        + (() if variant.decompression is Decompression.RESIDUAL4 else ("EVEN_K",)),
+        # What _doc_tile_ahead reads, _load_doc_tile does not (it takes that result).
+        doc_tile_inputs=tuple(a for a in tile_inputs if a not in ahead),
+        doc_tile_params=tuple(a for a in tile_params if a not in ahead),
         doc_bases=(("code_base", "c"), ("residual_base", "r")),
         doc_lengths=dense,
+        doc_tile_ahead=ahead,
         even_tiles=False,  # a doc ends at its own length
         nbits=RESIDUAL_BITS[variant.decompression],
     )  # fmt: skip

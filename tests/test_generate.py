@@ -236,3 +236,29 @@ def test_doc_tile_hook_constexprs_reach_kernel_and_launcher():
     text = (ROOT / "generated" / "triton" / f"{residual.name}.py").read_text()
     assert "    RESIDUAL_WORDS: tl.constexpr,\n    EVEN_K: tl.constexpr,\n):" in text
     assert "EVICT_DOCS" not in text.replace("EVICT_DOCS_OPTION = False", "")
+
+
+def test_residual_nbits2_loads_centroid_ids_a_tile_ahead():
+    """nbits 2 residual variants (dense and varlen) carry each tile's centroid ids one
+    tile ahead through every tile loop that walks BLOCK_L-token tiles; nbits 4 and 8 (slower
+    or even with it) and uncompressed docs load their tiles whole."""
+    import re
+
+    for name in ("maxsim_dense_nomask_fp16_triton_norm_res2",
+                 "maxsim_varlen_nomask_bf16_triton_norm_res2"):  # fmt: skip
+        ctx = plan(Variant.parse(name))
+        assert ctx.doc_tile_ahead == ("Codes", "code_base", "stride_ct")
+        assert "Codes" not in ctx.doc_tile_inputs and "stride_ct" not in ctx.doc_tile_params
+        text = (ROOT / "generated" / "triton" / f"{name}.py").read_text()
+        assert "def _doc_tile_ahead(Codes, code_base, stride_ct, offs_t, Ld):" in text
+        # Each carried loop loads the next tile's ids; the first tile's come before it.
+        carried = len(re.findall(r"next_ahead = _doc_tile_ahead\(\s*Codes, code_base, "
+                                 r"stride_ct, offs_t \+ BLOCK_L, d_len", text))
+        firsts = len(re.findall(r"next_ahead = _doc_tile_ahead\(\s*Codes, code_base, "
+                                r"stride_ct, (first|0) \+ tl.arange\(0, BLOCK_L\)", text))
+        assert (carried, firsts) == ((2, 2) if "dense" in name else (1, 1))
+    for name in ("maxsim_dense_nomask_fp16_triton_norm_res4",
+                 "maxsim_varlen_nomask_fp16_triton_norm_res8",
+                 "maxsim_dense_nomask_bf16_triton"):  # fmt: skip
+        assert plan(Variant.parse(name)).doc_tile_ahead == ()
+        assert "_doc_tile_ahead" not in (ROOT / "generated" / "triton" / f"{name}.py").read_text()

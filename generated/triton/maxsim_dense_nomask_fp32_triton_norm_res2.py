@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4012b4aec705b63cc4e0610a7ea5194d42cb9fd2ed5bcd33ce101e070fe1a980
+# body-sha256: 925b91832d23502bce0dd8b0cd7505fbb7a4719c8e9eae8882c0d7907f3db6b4
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -102,18 +102,26 @@ def _residual_units(
 
 
 @triton.jit
+def _doc_tile_ahead(Codes, code_base, stride_ct, offs_t, Ld):
+    """The centroid ids of doc tokens offs_t (0 past Ld), which the forward loads a tile
+    before it decodes them: the centroid rows' gather then waits on no load of its own
+    tile. nbits 2 only (lik_gen.plan_plaid): H200, 4096 docs, 0.138 -> 0.122 ms dense and
+    0.138 -> 0.121 varlen; nbits 4 ran slower with it (best configs 0.177 -> 0.188) and
+    nbits 8 the same (0.208 -> 0.207) (benchmarks/results/plaid_codes_ahead_H200.md)."""
+    return tl.load(Codes + code_base + offs_t * stride_ct, mask=offs_t < Ld, other=0)
+
+
+@triton.jit
 def _load_doc_tile(
-    Codes,
+    codes,  # the tile's centroid ids, from _doc_tile_ahead
     Residuals,
     Centroids,
     BucketWeights,
-    code_base,
     residual_base,
     offs_t,
     offs_k,
     Ld,
     dim,
-    stride_ct,
     stride_rt,
     stride_rp,
     stride_centn,
@@ -134,7 +142,7 @@ def _load_doc_tile(
         valid = tl.broadcast_to(in_doc[:, None], [offs_t.shape[0], offs_k.shape[0]])
     else:
         valid = in_doc[:, None] & (offs_k[None, :] < dim)
-    code = tl.load(Codes + code_base + offs_t * stride_ct, mask=in_doc, other=0).to(tl.int64)
+    code = codes.to(tl.int64)
     code_ok = (code >= 0) & (code < n_centroids)
     code = tl.where(code_ok, code, 0)
     centroid_at = Centroids + code[:, None] * stride_centn + offs_k[None, :] * stride_centk
@@ -281,20 +289,25 @@ def maxsim_dense_nomask_fp32_triton_norm_res2_fwd_kernel(
                 # Whole tiles need no length mask; the partial last tile is scored once, after
                 # them (its load is not pipelined: worth it only for docs of several tiles).
                 whole_stop = first + (stop - first) // BLOCK_L * BLOCK_L
+                next_ahead = _doc_tile_ahead(
+                    Codes, code_base, stride_ct, first + tl.arange(0, BLOCK_L), d_len
+                )
                 for start in range(first, whole_stop, BLOCK_L):
                     offs_t = start + tl.arange(0, BLOCK_L)
+                    tile_ahead = next_ahead
+                    next_ahead = _doc_tile_ahead(
+                        Codes, code_base, stride_ct, offs_t + BLOCK_L, d_len
+                    )
                     tile = _load_doc_tile(
-                        Codes,
+                        tile_ahead,
                         Residuals,
                         Centroids,
                         BucketWeights,
-                        code_base,
                         residual_base,
                         offs_t,
                         offs_k,
                         d_len,
                         dim,
-                        stride_ct,
                         stride_rt,
                         stride_rp,
                         stride_centn,
@@ -313,18 +326,17 @@ def maxsim_dense_nomask_fp32_triton_norm_res2_fwd_kernel(
                     if whole_stop < stop:
                         start = whole_stop
                         offs_t = start + tl.arange(0, BLOCK_L)
+                        tile_ahead = next_ahead
                         tile = _load_doc_tile(
-                            Codes,
+                            tile_ahead,
                             Residuals,
                             Centroids,
                             BucketWeights,
-                            code_base,
                             residual_base,
                             offs_t,
                             offs_k,
                             d_len,
                             dim,
-                            stride_ct,
                             stride_rt,
                             stride_rp,
                             stride_centn,
@@ -346,18 +358,17 @@ def maxsim_dense_nomask_fp32_triton_norm_res2_fwd_kernel(
                 else:
                     for start in range(whole_stop, stop, TAIL_L):
                         offs_t = start + tl.arange(0, TAIL_L)
+                        tile_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, offs_t, d_len)
                         tile = _load_doc_tile(
-                            Codes,
+                            tile_ahead,
                             Residuals,
                             Centroids,
                             BucketWeights,
-                            code_base,
                             residual_base,
                             offs_t,
                             offs_k,
                             d_len,
                             dim,
-                            stride_ct,
                             stride_rt,
                             stride_rp,
                             stride_centn,
@@ -377,20 +388,25 @@ def maxsim_dense_nomask_fp32_triton_norm_res2_fwd_kernel(
                         best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
             else:
+                next_ahead = _doc_tile_ahead(
+                    Codes, code_base, stride_ct, first + tl.arange(0, BLOCK_L), d_len
+                )
                 for start in range(first, stop, BLOCK_L):
                     offs_t = start + tl.arange(0, BLOCK_L)
+                    tile_ahead = next_ahead
+                    next_ahead = _doc_tile_ahead(
+                        Codes, code_base, stride_ct, offs_t + BLOCK_L, d_len
+                    )
                     tile = _load_doc_tile(
-                        Codes,
+                        tile_ahead,
                         Residuals,
                         Centroids,
                         BucketWeights,
-                        code_base,
                         residual_base,
                         offs_t,
                         offs_k,
                         d_len,
                         dim,
-                        stride_ct,
                         stride_rt,
                         stride_rp,
                         stride_centn,
@@ -494,18 +510,17 @@ def maxsim_dense_nomask_fp32_triton_norm_res2_fwd_kernel(
             residual_base = doc * stride_rb
 
             offs_t = start + tl.arange(0, BLOCK_L)
+            tile_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, offs_t, d_len)
             tile = _load_doc_tile(
-                Codes,
+                tile_ahead,
                 Residuals,
                 Centroids,
                 BucketWeights,
-                code_base,
                 residual_base,
                 offs_t,
                 offs_k,
                 d_len,
                 dim,
-                stride_ct,
                 stride_rt,
                 stride_rp,
                 stride_centn,

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 85e674531bb97ec840a6191af37575e379442175efe338493d7c8b256202f483
+# body-sha256: ec60025bc9c5911033ea88bfecedc6c42780159a600750cab4cc4de9e065bb07
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -101,18 +101,26 @@ def _residual_units(
 
 
 @triton.jit
+def _doc_tile_ahead(Codes, code_base, stride_ct, offs_t, Ld):
+    """The centroid ids of doc tokens offs_t (0 past Ld), which the forward loads a tile
+    before it decodes them: the centroid rows' gather then waits on no load of its own
+    tile. nbits 2 only (lik_gen.plan_plaid): H200, 4096 docs, 0.138 -> 0.122 ms dense and
+    0.138 -> 0.121 varlen; nbits 4 ran slower with it (best configs 0.177 -> 0.188) and
+    nbits 8 the same (0.208 -> 0.207) (benchmarks/results/plaid_codes_ahead_H200.md)."""
+    return tl.load(Codes + code_base + offs_t * stride_ct, mask=offs_t < Ld, other=0)
+
+
+@triton.jit
 def _load_doc_tile(
-    Codes,
+    codes,  # the tile's centroid ids, from _doc_tile_ahead
     Residuals,
     Centroids,
     BucketWeights,
-    code_base,
     residual_base,
     offs_t,
     offs_k,
     Ld,
     dim,
-    stride_ct,
     stride_rt,
     stride_rp,
     stride_centn,
@@ -133,7 +141,7 @@ def _load_doc_tile(
         valid = tl.broadcast_to(in_doc[:, None], [offs_t.shape[0], offs_k.shape[0]])
     else:
         valid = in_doc[:, None] & (offs_k[None, :] < dim)
-    code = tl.load(Codes + code_base + offs_t * stride_ct, mask=in_doc, other=0).to(tl.int64)
+    code = codes.to(tl.int64)
     code_ok = (code >= 0) & (code < n_centroids)
     code = tl.where(code_ok, code, 0)
     centroid_at = Centroids + code[:, None] * stride_centn + offs_k[None, :] * stride_centk
@@ -258,20 +266,21 @@ def maxsim_varlen_nomask_fp32_triton_norm_res2_fwd_kernel(
     q = q.to(DOT_DTYPE)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
+    next_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, 0 + tl.arange(0, BLOCK_L), d_len)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
+        tile_ahead = next_ahead
+        next_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, offs_t + BLOCK_L, d_len)
         tile = _load_doc_tile(
-            Codes,
+            tile_ahead,
             Residuals,
             Centroids,
             BucketWeights,
-            code_base,
             residual_base,
             offs_t,
             offs_k,
             d_len,
             dim,
-            stride_ct,
             stride_rt,
             stride_rp,
             stride_centn,
