@@ -159,6 +159,25 @@ def back_to_back_ms(fn: Callable[[], object], *, calls: int = 200, rounds: int =
     return best
 
 
+def graph_ms(fn: Callable[[], object], *, calls: int, warmup_ms: int, rep_ms: int) -> float:
+    """Milliseconds per call of `fn` on the GPU alone: `calls` calls (with a rotating `fn`,
+    one per input set, so L2 holds none of the next call's inputs) captured in one CUDA
+    graph and replayed, with no host work between the kernels. Where this is below
+    bench_ms, the call's host work outlasts its kernels."""
+    fn()  # compile and allocate outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return bench_ms(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
+
+
 def cpu_wallclock_ms(fn: Callable[[], object], *, repeats: int = 5) -> float:
     """Median wall-clock milliseconds; only for exercising the plumbing without a GPU."""
     fn()
