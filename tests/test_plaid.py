@@ -171,6 +171,46 @@ def test_variant_matches_reference(name, storage):
     assert relative_error(out, ref) < _bound(dtype), name
 
 
+# Every loop shape of the streaming dense forward, each with its own way of walking a doc's
+# tiles (and, for nbits 2, of carrying the next tile's centroid ids): one loop per doc,
+# docs in a row, whole tiles then a BLOCK_L tail or TAIL_L tails, token ranges with their
+# reduce, and the flat (doc, tile) loop. Ld 37 in 16- or 32-token tiles.
+DENSE_LOOPS = {
+    "per doc": dict(block_l=16),
+    "2 docs per program": dict(block_l=16, docs_per_program=2),
+    "peeled, BLOCK_L tail": dict(block_l=16, peel_tail=True),
+    "peeled, TAIL_L tails": dict(block_l=32, peel_tail=True),
+    "2 ranges": dict(block_l=16, doc_splits=2),
+    "2 ranges, peeled": dict(block_l=16, doc_splits=2, peel_tail=True),
+    "flat": dict(block_l=32, flat_docs=True, docs_per_program=2),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("loop", list(DENSE_LOOPS))
+@pytest.mark.parametrize("nbits", [2, 4])
+def test_dense_residual_loop_shapes(nbits, loop):
+    import dataclasses
+
+    name = f"maxsim_dense_nomask_fp16_triton_norm_res{nbits}"
+    g = torch.Generator().manual_seed(nbits)
+    B, Ld, dim, Nq, Lq = 5, 37, 32, 2, 5
+    codes, residuals, centroids, weights = synthetic_index(g, B, Ld, dim, nbits,
+                                                           dtype=torch.float16)  # fmt: skip
+    lengths = torch.tensor([Ld, 0, 1, 33, 16])  # whole tiles only, tails of 1-5 tokens
+    Q = torch.randn(Nq, Lq, dim, generator=g)
+    ref = maxsim_residual_reference(Q.double(), codes, residuals, lengths, centroids.double(),
+                                    weights.double(), nbits)  # fmt: skip
+    Qd, c, w = _to(DEVICE, Q, centroids, weights)
+    module, config = _config(name, Qd)
+    config = dataclasses.replace(config, **DENSE_LOOPS[loop])
+    out = poisoned((Nq, B), DEVICE)
+    module.launch(out, Qd, *_to(DEVICE, codes, residuals.view(torch.int32)), c, w,
+                  lengths.to(DEVICE), config=config)  # fmt: skip
+    assert not torch.isnan(out).any(), f"{loop}: unwritten (poisoned) scores"
+    assert relative_error(out, ref) < _bound(torch.float16), loop
+
+
 # ---------------------------------------------------------------------------------------
 # Public entries
 
