@@ -14,7 +14,9 @@ codes. Both layouts: the index's packed tokens with cu_seqlens_d (varlen) and a 
 reference on the first docs before it is timed; a peer that reads another bit order shows
 a large parity error (its timing still stands). Floor: the bytes a rerank must read
 (codes + packed residuals + one centroid row per token, + Q and the scores) at the
-measured copy bandwidth; "% floor" = floor / time.
+measured copy bandwidth; "% floor" = floor / time. Beside do_bench's median: the GPU time
+alone (each input set's call in one CUDA graph, replayed) and a tight loop's rate, which
+show when a small rerank is paced by its host work rather than by its kernel.
 """
 
 from __future__ import annotations
