@@ -102,9 +102,8 @@ def plan_residual(variant: Variant) -> RenderContext:
     if variant.decompression is not Decompression.RESIDUAL4:
         tile_params += ("EVEN_K",)
     # nbits 2 loads each tile's centroid ids a tile ahead (residual.py.j2 says why).
-    ahead = ("Codes", "code_base", "stride_ct")
-    if variant.decompression is not Decompression.RESIDUAL2:
-        ahead = ()
+    nbits2 = variant.decompression is Decompression.RESIDUAL2
+    ahead = ("Codes", "code_base", "stride_ct") if nbits2 else ()
     return dataclasses.replace(
         base,
         name=variant.name,
