@@ -11,7 +11,7 @@ Training: steps (lowmem forward + backward, as bench_train.py's) whose forward a
 backward keys have no entry, in a child with LIK_AUTOTUNE=0 (the heuristic defaults),
 one that autotunes the forward key alone (as before backward keys were autotuned) and
 one that autotunes both on its first step; GPU time of the step replayed from a CUDA
-graph (bench_train.graph_replay), and the gradients' error against float64.
+graph (bench_train.step_graph), and the gradients' error against float64.
 
     python3 benchmarks/bench_autotune.py --out DIR [--rounds 2]
 """
@@ -82,7 +82,7 @@ TRAIN_CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[2])
 import torch
-from bench_train import graph_replay, reference_gradients, step
+from bench_train import step_graph, reference_gradients, step
 from common import bench_ms, relative_error
 from lik.runtime import autotune, maxsim
 layout, nq, nd, lq, ld, kernels = json.loads(sys.argv[1])
@@ -103,7 +103,7 @@ torch.cuda.synchronize()
 first = time.perf_counter() - start
 want = reference_gradients(Q, D, weights, layout)
 error = max(relative_error(got, ref) for got, ref in zip(grads, want))
-step_ms = bench_ms(graph_replay(scores, Q, D, weights), warmup_ms=25, rep_ms=200)
+step_ms = bench_ms(step_graph(scores, Q, D, weights), warmup_ms=25, rep_ms=200)
 path = autotune.cache_path()
 entries = json.loads(path.read_text())["entries"] if path.exists() else {}
 print(json.dumps({"first_s": first, "sweeps": autotune.sweeps - before, "step_ms": step_ms,

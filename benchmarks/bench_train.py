@@ -28,6 +28,7 @@ from common import (  # noqa: E402
     format_ratio,
     gpu_name,
     gpu_tag,
+    graph_replay,
     markdown_table,
     missing_gpu,
     normalized_tokens,
@@ -100,21 +101,12 @@ def step(scores: Callable, q, docs, weights):
     return q.grad, docs.grad
 
 
-def graph_replay(scores: Callable, q, docs, weights) -> Callable[[], None]:
-    """The step captured in a CUDA graph: replaying it runs the same kernels with no
-    host work between them, so its time is the GPU's alone (small steps are otherwise
-    bound by Python, autograd and launch overhead, which varies run to run)."""
-    side = torch.cuda.Stream()  # capture wants its warm-up off the default stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(scores, q, docs, weights)
-    torch.cuda.current_stream().wait_stream(side)
-    q.grad = docs.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        (scores(q, docs) * weights).sum().backward()
-    return graph.replay
+def step_graph(scores: Callable, q, docs, weights) -> Callable[[], None]:
+    """The step captured in a CUDA graph (common.graph_replay): its time is the GPU's
+    alone (small steps are otherwise bound by Python, autograd and launch overhead, which
+    varies run to run). step clears the gradients before the capture, so the graph
+    allocates them and each replay writes them afresh."""
+    return graph_replay(lambda: step(scores, q, docs, weights), warmup_calls=2)
 
 
 def reference_gradients(q, docs, weights, layout):
@@ -147,7 +139,7 @@ def measure(key, layout, q, docs, weights, reference, timing, scores=None) -> di
     peak, error = attempt(lambda: peak_extra_memory_mib(lambda: step(scores, q, docs, weights)))
     # The graph (and its memory pool) is gone when the call returns.
     graph_ms, graph_error = attempt(
-        lambda: bench_ms(graph_replay(scores, q, docs, weights), **timing)
+        lambda: bench_ms(step_graph(scores, q, docs, weights), **timing)
     )
     loop_ms, loop_error = attempt(lambda: back_to_back_ms(
         lambda: step(scores, q, docs, weights), calls=LOOP_STEPS, rounds=LOOP_ROUNDS

@@ -159,23 +159,30 @@ def back_to_back_ms(fn: Callable[[], object], *, calls: int = 200, rounds: int =
     return best
 
 
-def graph_ms(fn: Callable[[], object], *, calls: int, warmup_ms: int, rep_ms: int) -> float:
-    """Milliseconds per call of `fn` on the GPU alone: `calls` calls (with a rotating `fn`,
-    one per input set, so L2 holds none of the next call's inputs) captured in one CUDA
-    graph and replayed, with no host work between the kernels. Where this is below
-    bench_ms, the call's host work outlasts its kernels."""
-    fn()  # compile and allocate outside the capture
+def graph_replay(fn: Callable[[], object], *, calls: int = 1, warmup_calls: int = 1):
+    """The replay of `calls` calls of `fn` captured in one CUDA graph: it runs the same
+    kernels with no host work between them. The warm-up calls (compile, allocate) run on
+    a side stream first, as capture wants."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(calls):
+        for _ in range(warmup_calls):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return bench_ms(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
+    return graph.replay
+
+
+def graph_ms(fn: Callable[[], object], *, calls: int, warmup_ms: int, rep_ms: int) -> float:
+    """Milliseconds per call of `fn` on the GPU alone: `calls` calls (with a rotating `fn`,
+    one per input set, so L2 holds none of the next call's inputs) captured in one CUDA
+    graph and replayed. Where this is below bench_ms, the call's host work outlasts its
+    kernels."""
+    replay = graph_replay(fn, calls=calls, warmup_calls=calls)
+    return bench_ms(replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
 
 
 def cpu_wallclock_ms(fn: Callable[[], object], *, repeats: int = 5) -> float:
