@@ -118,7 +118,8 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 # as the GPU holds at once (programs_per_wave), within a power of two. Each range is at
 # least SPLIT_MIN_TILES tiles long so its loads still pipeline, and calls of
 # SPLIT_MAX_PROGRAMS programs or more keep whole docs (1000 docs of 1024 tokens ran 2-18%
-# slower in 2-8 ranges: benchmarks/results/forward_rerank_splits_H100.md). On an H100
+# slower in 2-8 ranges: benchmarks/results/forward_rerank_splits_H100.md; on an H200,
+# 1000 docs of 300 tokens 28 -> 34 us at best: rerank_small_splits_H200.md). On an H100
 # (benchmarks/results/forward_split_waves_H100.md) longdoc takes 4 ranges (0.120 ms
 # unsplit, 0.057 split); against a fixed 256-program target, one query over 64 docs of
 # 8192 tokens at d 48 takes 32 ranges instead of 4 (GPU time 0.033 -> 0.025 ms).

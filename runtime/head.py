@@ -107,6 +107,8 @@ def _default_config(
     #          2.34, 8 warps 2.32; block_l 256, 8 warps, 3 stages 2.03 (4 warps 4.16).
     #   Nq 1, Ld 300 (colbert-rerank): block_l 128, 4 warps 0.165, 8 warps 0.172;
     #          block_l 64 0.170.
+    # Rechecked on an H200 against seven other configs per shape, Ld 300-2048, Nq 1-32: none
+    # faster (benchmarks/results/head_configs_H200.md).
     rows = queries * block_q
     if long_docs and block_k <= 128:
         block_l, warps, stages = 256, 8, 4 if rows <= 64 else 3
