@@ -35,6 +35,7 @@ from common import (
     peak_extra_memory_mib,
     percent_of_roofline,
     pick,
+    provenance,
     relative_error,
     release_cached_memory,
     roofline_floor,
@@ -408,10 +409,7 @@ def markdown_report(report: dict) -> str:
     parts = [
         f"# Forward MaxSim on {env['gpu']}",
         "",
-        f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
-        f"triton {env['triton']}; "
-        + ", ".join(f"{name} {ver or 'not installed'}" for name, ver in env["packages"].items())
-        + ".",
+        provenance(env),
         "",
     ]
     mismatched = [
@@ -533,13 +531,7 @@ def main(argv=None) -> int:
         device = "cuda"
         out_dir = args.out or Path(__file__).resolve().parent / "results"
         timer, timing = "triton do_bench", TIMING["quick" if args.quick else "full"]
-        print("measuring ceilings ...", flush=True)
         ceilings = measure_ceilings(device, **timing)
-        print(
-            f"  copy {ceilings['copy_tbps']:.2f} TB/s, "
-            f"matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
-            flush=True,
-        )
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
     stem = f"forward_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")

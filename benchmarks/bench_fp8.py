@@ -38,6 +38,7 @@ from common import (
     measure_ceilings,
     normalized_tokens,
     percent_of_roofline,
+    provenance,
     relative_error,
     release_cached_memory,
     rotating,
@@ -325,10 +326,7 @@ def markdown_report(report: dict) -> str:
     parts = [
         f"# FP8 rerank on {env['gpu']}",
         "",
-        f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
-        f"triton {env['triton']}; "
-        + ", ".join(f"{n} {v or 'not installed'}" for n, v in env["packages"].items())
-        + ".",
+        provenance(env),
         "",
     ]
     if ceilings:
@@ -431,9 +429,7 @@ def main(argv=None) -> int:
         timing = TIMING["quick" if args.quick else "full"]
         timer = (f"triton do_bench, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms; "
                  f"the lowest of {TIMING_ROUNDS} rounds' medians, as for L2 clean")  # fmt: skip
-        print("measuring the copy ceiling ...", flush=True)
         ceilings = measure_ceilings(device, **timing)
-        print(f"  copy {ceilings['copy_tbps']:.2f} TB/s", flush=True)
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
     stem = f"fp8_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")

@@ -37,6 +37,7 @@ from common import (
     peak_extra_memory_mib,
     percent_of_roofline,
     pick,
+    provenance,
     relative_error,
     release_cached_memory,
     speedup_series,
@@ -316,10 +317,7 @@ def markdown_report(report: dict) -> str:
     lines = [
         f"# Fused projection head on {env['gpu']}",
         "",
-        f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
-        f"triton {env['triton']}; "
-        + ", ".join(f"{n} {v or 'not installed'}" for n, v in env["packages"].items())
-        + ".",
+        provenance(env),
         "",
     ]
     if ceilings:
@@ -435,13 +433,7 @@ def main(argv=None) -> int:
             sys.exit("no CUDA device; --dry-run exercises this script on a CPU")
         device = "cuda"
         out_dir = args.out or Path(__file__).resolve().parent / "results"
-        print("measuring ceilings ...", flush=True)
         ceilings = measure_ceilings(device, **TIMING["quick" if args.quick else "full"])
-        print(
-            f"  copy {ceilings['copy_tbps']:.2f} TB/s, "
-            f"matmul {ceilings['matmul_tflops']:.0f} TFLOP/s",
-            flush=True,
-        )
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
     stem = f"head_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
     report = {

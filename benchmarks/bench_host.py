@@ -35,6 +35,7 @@ from common import (  # noqa: E402
     markdown_table,
     missing_gpu,
     normalized_tokens,
+    provenance,
     write_results,
 )
 
@@ -193,8 +194,7 @@ def markdown(report: dict) -> str:
             for label, us in report["us"].items()]  # fmt: skip
     shape = ", ".join(f"{k} {v}" for k, v in report["shape"].items())
     env = report["env"]
-    return (f"# Host work per call on {report['gpu']}\n\n{env['date']}; commit "
-            f"{env['commit'] or 'unknown'}; torch {env['torch']}, triton {env['triton']}.\n\n"
+    return (f"# Host work per call on {report['gpu']}\n\n{provenance(env, packages=False)}\n\n"
             f"Tiny shape ({shape}; bf16, or PLAID / fp8 docs or {HEAD_D_MODEL}-wide hidden "
             "states of that shape): calls back to "
             "back are paced by the host. "

@@ -44,8 +44,7 @@ from common import (  # noqa: E402
     markdown_table,
     relative_error,
     rotating,
-    write_json,
-    write_speedup_plot,
+    write_results,
 )
 
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
@@ -348,13 +347,10 @@ def main(argv=None) -> int:
     if args.write_table and report.get("sweep"):
         entries = table_entries(report["sweep"], report["gpu"])
         write_sweep_table(args.write_table, entries, card=args.card)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"plaid_{gpu_tag(report['gpu'])}"
-    write_json(args.out / f"{stem}.json", report)
+    stem = f"plaid_{gpu_tag(report['gpu'])}" + ("_dry-run" if args.dry_run else "")
     text = markdown(report)
-    (args.out / f"{stem}.md").write_text(text)
-    write_speedup_plot(args.out / f"{stem}.png", list(report["cases"]), series,
-                       f"PLAID rerank on {report['gpu']}: LIK 0.4.5 ms / lik ms")  # fmt: skip
+    title = f"PLAID rerank on {report['gpu']}: LIK 0.4.5 ms / lik ms"
+    write_results(args.out, stem, report, text, (list(report["cases"]), series, title))
     print(text)
     return 0
 

@@ -35,6 +35,7 @@ from common import (
     normalized_tokens,
     peak_extra_memory_mib,
     pick,
+    provenance,
     release_cached_memory,
     write_results,
 )
@@ -262,12 +263,10 @@ def results_table(report: dict) -> str:
 
 def markdown_report(report: dict) -> str:
     env, timing = report["env"], report["timing"]
-    versions = ", ".join(f"{n} {v or 'not installed'}" for n, v in env["packages"].items())
     parts = [
         f"# Top-k retrieval on {env['gpu']}",
         "",
-        f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
-        f"triton {env['triton']}; {versions}.",
+        provenance(env),
         "",
         f"top_k={TOP_K}, normalize={NORMALIZE}, L2-normalized random bf16 inputs. Median ms "
         f"({timing['timer']}, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms); "

@@ -224,11 +224,15 @@ def matmul_tflops(device, *, warmup_ms: int, rep_ms: int) -> float:
 
 
 def measure_ceilings(device, *, warmup_ms: int, rep_ms: int) -> dict:
+    """The card's copy bandwidth and bf16 matmul rate, measured (and printed) once per run."""
+    print("measuring ceilings ...", flush=True)
     ceilings = {
         "copy_tbps": copy_bandwidth_tbps(device, warmup_ms=warmup_ms, rep_ms=rep_ms),
         "matmul_tflops": matmul_tflops(device, warmup_ms=warmup_ms, rep_ms=rep_ms),
     }
     torch.cuda.empty_cache()
+    print(f"  copy {ceilings['copy_tbps']:.2f} TB/s, matmul {ceilings['matmul_tflops']:.0f} "
+          "TFLOP/s", flush=True)  # fmt: skip
     return ceilings
 
 
@@ -374,6 +378,16 @@ def _finite_or_none(value):
     if isinstance(value, list | tuple):
         return [_finite_or_none(item) for item in value]
     return value
+
+
+def provenance(env: dict, *, packages: bool = True) -> str:
+    """A report's line of where its numbers come from: date, commit, torch and Triton, and
+    the versions of environment_info's distributions."""
+    line = (f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
+            f"triton {env['triton']}")  # fmt: skip
+    if packages:
+        line += "; " + ", ".join(f"{n} {v or 'not installed'}" for n, v in env["packages"].items())
+    return line + "."
 
 
 def write_json(path: Path, payload: dict) -> None:

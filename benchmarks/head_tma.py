@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     gpu_tag,
     markdown_table,
     missing_gpu,
+    provenance,
     write_results,
 )
 
@@ -84,8 +85,7 @@ def markdown(report: dict) -> str:
     headers = ["Nd", "H MB", "back to back, TMA", "back to back, pointer",
                "do_bench, TMA", "do_bench, pointer"]  # fmt: skip
     return (f"# Fused head: H by TMA descriptor or by pointer, {report['gpu']}\n\n"
-            f"{env['date']}; commit {env['commit'] or 'unknown'}; torch {env['torch']}, "
-            f"triton {env['triton']}. Nq 1, Lq 32, Ld {LD}, {D_MODEL} -> {DIM}, bf16; "
+            f"{provenance(env, packages=False)} Nq 1, Lq 32, Ld {LD}, {D_MODEL} -> {DIM}, bf16; "
             "microseconds per call.\n\n" + markdown_table(headers, rows) + "\n")  # fmt: skip
 
 

@@ -1,0 +1,56 @@
+"""Every benchmark with a --dry-run runs end to end on the CPU (tiny shapes, lik's
+reference paths, or its PLAID kernels under the interpreter; no peers) and reports lik's
+results as checked against float64: a GPU run then fails on the GPU, not on a typo in a
+report. The kernels themselves are tested elsewhere, so the dry runs take the CPU paths
+(without TRITON_INTERPRET, which the suite sets): seconds each instead of minutes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _dry_run(name: str, out: Path) -> tuple[dict, str]:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"bench_{name}.py"), "--dry-run", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (report_path,) = out.glob(f"{name}_*_dry-run.json")
+    markdown = report_path.with_suffix(".md").read_text()
+    return json.loads(report_path.read_text()), markdown
+
+
+def _lik_results(name: str, report: dict) -> list[dict]:
+    """lik's own results in a report, one per shape (and implementation variant)."""
+    if name == "plaid":
+        return [result for case in report["cases"].values()
+                for impl, result in case["impl"].items() if impl.startswith("lik ")]  # fmt: skip
+    if name == "retrieve":
+        return [result for case in report["cases"] for result in case["results"]
+                if result["impl"] == "lik"]  # fmt: skip
+    return [result for shape in report["shapes"]
+            for impl, result in shape["results"].items()
+            if impl == "lik" or impl.startswith("lik_")]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["forward", "head", "fp8", "retrieve", "plaid"])
+def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path):
+    report, markdown = _dry_run(name, tmp_path)
+    assert markdown.startswith("# ") and "\n| " in markdown
+    results = _lik_results(name, report)
+    assert results, f"bench_{name} reported no lik result"
+    for result in results:
+        assert result["error"] is None, result
+        if name == "retrieve":
+            assert result["topk_ok"], result
+        elif name == "plaid":
+            assert result["parity_rel_err"] < 1e-3, result
+        else:
+            assert result["parity_ok"], result
