@@ -167,6 +167,11 @@ class RenderContext:
     # a part of the tile that the forward's tile loops load one tile ahead and hand to
     # _load_doc_tile as its first argument.
     doc_tile_ahead: tuple[str, ...] = ()
+    # The forward scores tile @ q^T, doc tokens as the rows of the similarities ([BLOCK_L,
+    # query rows], the max over axis 0), instead of q @ tile^T: a decoded doc tile then
+    # feeds the MMA as its left operand without a transpose (forward-only variants with no
+    # doc mask, argmax, score hook or scales).
+    doc_token_rows: bool = False
     nbits: int = 0
     # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
     # Ld, chosen per call) and then masks no doc token.

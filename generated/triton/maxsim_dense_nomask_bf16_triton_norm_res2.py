@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 24270ba6ab2c02999ddc2cd93dbf44269d61beee7009efb7ca0d233df9901e4a
+# body-sha256: d516eef5f969d6cc61208493a8219bed9b76811bd9be6010759f3c6370cbddd1
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -256,6 +256,7 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
     q_valid = q_in_range
     q_scale = _inv_l2_norm(q.to(tl.float32))
     q = q.to(DOT_DTYPE)
+    q_t = tl.trans(q)  # tile @ q^T's right operand, transposed once per program
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
     if not FLAT_DOCS:
         # Docs of several tiles, each with its own loop over them. DOCS_PER_PROGRAM docs
@@ -317,10 +318,10 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
                         RESIDUAL_WORDS,
                         EVEN_K,
                     )
-                    sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                    sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
+                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
                     # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                    best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+                    best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
 
                 if TAIL_L == BLOCK_L:
                     if whole_stop < stop:
@@ -346,14 +347,12 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
                             RESIDUAL_WORDS,
                             EVEN_K,
                         )
-                        sim = tl.dot(
-                            q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
-                        )
-                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                        sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
+                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
                         t_valid = offs_t < d_len
-                        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                        sim = tl.where(t_valid[:, None], sim, float("-inf"))
                         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+                        best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
 
                 else:
                     for start in range(whole_stop, stop, TAIL_L):
@@ -378,14 +377,12 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
                             RESIDUAL_WORDS,
                             EVEN_K,
                         )
-                        sim = tl.dot(
-                            q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
-                        )
-                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                        sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
+                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
                         t_valid = offs_t < d_len
-                        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                        sim = tl.where(t_valid[:, None], sim, float("-inf"))
                         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+                        best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
 
             else:
                 next_ahead = _doc_tile_ahead(
@@ -416,12 +413,12 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
                         RESIDUAL_WORDS,
                         EVEN_K,
                     )
-                    sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+                    sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
+                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
                     t_valid = offs_t < d_len
-                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
+                    sim = tl.where(t_valid[:, None], sim, float("-inf"))
                     # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                    best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+                    best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
 
             if DOC_SPLITS == 1:
                 final = best * q_scale
@@ -530,12 +527,12 @@ def maxsim_dense_nomask_bf16_triton_norm_res2_fwd_kernel(
                 RESIDUAL_WORDS,
                 EVEN_K,
             )
-            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+            sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
+            sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[None, :], sim, float("-inf"))
+            sim = tl.where(t_valid[:, None], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+            best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
 
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
             last = (start + BLOCK_L) >= Ld

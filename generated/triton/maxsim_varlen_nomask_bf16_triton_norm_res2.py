@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7e35f8a3b3c87c64d328b4f1c55fbb4a1c99d7132174210c8882d10a1befd0e3
+# body-sha256: 6bdca1685570cf30d85e5f8063e75d10e8132c1bc6d0c3008e7a6dd8a5410089
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -264,6 +264,7 @@ def maxsim_varlen_nomask_bf16_triton_norm_res2_fwd_kernel(
     q_valid = q_in_range
     q_scale = _inv_l2_norm(q.to(tl.float32))
     q = q.to(DOT_DTYPE)
+    q_t = tl.trans(q)  # tile @ q^T's right operand, transposed once per program
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     next_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, 0 + tl.arange(0, BLOCK_L), d_len)
@@ -290,12 +291,12 @@ def maxsim_varlen_nomask_bf16_triton_norm_res2_fwd_kernel(
             RESIDUAL_WORDS,
             EVEN_K,
         )
-        sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
+        sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
+        sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
         t_valid = offs_t < d_len
-        sim = tl.where(t_valid[None, :], sim, float("-inf"))
+        sim = tl.where(t_valid[:, None], sim, float("-inf"))
         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
+        best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
 
     best = best * q_scale
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
