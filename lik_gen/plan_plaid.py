@@ -101,10 +101,9 @@ def plan_residual(variant: Variant) -> RenderContext:
                    "stride_wb", "n_centroids", "RESIDUAL_WORDS")
     if variant.decompression is not Decompression.RESIDUAL4:
         tile_params += ("EVEN_K",)
-    # nbits 2 loads each tile's centroid ids a tile ahead, and nbits 2 and 4 score their
-    # decoded tiles as the left MMA operand (residual.py.j2 says why).
+    # nbits 2 loads each tile's centroid ids a tile ahead and scores its decoded tiles as
+    # the left MMA operand (residual.py.j2 says why).
     nbits2 = variant.decompression is Decompression.RESIDUAL2
-    token_rows = variant.decompression is not Decompression.RESIDUAL8
     ahead = ("Codes", "code_base", "stride_ct") if nbits2 else ()
     return dataclasses.replace(
         base,
@@ -121,7 +120,7 @@ def plan_residual(variant: Variant) -> RenderContext:
         doc_bases=(("code_base", "c"), ("residual_base", "r")),
         doc_lengths=dense,
         doc_tile_ahead=ahead,
-        doc_token_rows=token_rows,
+        doc_token_rows=nbits2,
         even_tiles=False,  # a doc ends at its own length
         nbits=RESIDUAL_BITS[variant.decompression],
     )  # fmt: skip

@@ -264,9 +264,9 @@ def test_residual_nbits2_loads_centroid_ids_a_tile_ahead():
         assert "_doc_tile_ahead" not in (ROOT / "generated" / "triton" / f"{name}.py").read_text()
 
 
-def test_residual_nbits2_and_4_score_doc_tokens_as_the_rows_of_every_tile():
-    """nbits 2 and 4 residual variants score tile @ q^T in every tile of every loop (the
-    max over axis 0); nbits 8 and the uncompressed forward score q @ tile^T."""
+def test_residual_nbits2_scores_doc_tokens_as_the_rows_of_every_tile():
+    """nbits 2 residual variants score tile @ q^T in every tile of every loop (the max over
+    axis 0); nbits 4 and 8 and the uncompressed forward score q @ tile^T."""
     import re
 
     def dots(name):
@@ -276,12 +276,14 @@ def test_residual_nbits2_and_4_score_doc_tokens_as_the_rows_of_every_tile():
                 len(re.findall(r"tl\.reduce\(sim, 0, _max_keep_nan\)", text)))  # fmt: skip
 
     for name in ("maxsim_dense_nomask_fp16_triton_norm_res2",
-                 "maxsim_varlen_nomask_bf16_triton_norm_res4"):  # fmt: skip
+                 "maxsim_varlen_nomask_bf16_triton_norm_res2"):  # fmt: skip
         assert plan(Variant.parse(name)).doc_token_rows
         rows_dots, query_dots, token_maxima = dots(name)
         assert rows_dots == token_maxima >= (5 if "dense" in name else 1)
         assert query_dots == 0
-    for name in ("maxsim_dense_nomask_fp16_triton_norm_res8", "maxsim_dense_nomask_bf16_triton"):
+    for name in ("maxsim_dense_nomask_fp16_triton_norm_res4",
+                 "maxsim_varlen_nomask_fp16_triton_norm_res8",
+                 "maxsim_dense_nomask_bf16_triton"):  # fmt: skip
         assert not plan(Variant.parse(name)).doc_token_rows
         rows_dots, query_dots, token_maxima = dots(name)
         assert (rows_dots, token_maxima) == (0, 0) and query_dots > 0

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 82aa8d1d4e1ef8369e6f019c4c9a61981fb40335968e6fa1d6a2218a5a80f36f
+# body-sha256: 20cf8493afc93c96319418dcf4b0209065f46fc11af05b95db4b3d801cb4800b
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -226,7 +226,6 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
     q_valid = q_in_range
     q_scale = _inv_l2_norm(q.to(tl.float32))
     q = q.to(DOT_DTYPE)
-    q_t = tl.trans(q)  # tile @ q^T's right operand, transposed once per program
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
     if not FLAT_DOCS:
         # Docs of several tiles, each with its own loop over them. DOCS_PER_PROGRAM docs
@@ -282,10 +281,10 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                         n_centroids,
                         RESIDUAL_WORDS,
                     )
-                    sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
-                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
+                    sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                     # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                    best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
+                    best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
                 if TAIL_L == BLOCK_L:
                     if whole_stop < stop:
@@ -311,12 +310,14 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                             n_centroids,
                             RESIDUAL_WORDS,
                         )
-                        sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
-                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
+                        sim = tl.dot(
+                            q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
+                        )
+                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                         t_valid = offs_t < d_len
-                        sim = tl.where(t_valid[:, None], sim, float("-inf"))
+                        sim = tl.where(t_valid[None, :], sim, float("-inf"))
                         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                        best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
+                        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
                 else:
                     for start in range(whole_stop, stop, TAIL_L):
@@ -341,12 +342,14 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                             n_centroids,
                             RESIDUAL_WORDS,
                         )
-                        sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
-                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
+                        sim = tl.dot(
+                            q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
+                        )
+                        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                         t_valid = offs_t < d_len
-                        sim = tl.where(t_valid[:, None], sim, float("-inf"))
+                        sim = tl.where(t_valid[None, :], sim, float("-inf"))
                         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                        best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
+                        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
             else:
                 for start in range(first, stop, BLOCK_L):
@@ -371,12 +374,12 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                         n_centroids,
                         RESIDUAL_WORDS,
                     )
-                    sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
-                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
+                    sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+                    sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
                     t_valid = offs_t < d_len
-                    sim = tl.where(t_valid[:, None], sim, float("-inf"))
+                    sim = tl.where(t_valid[None, :], sim, float("-inf"))
                     # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-                    best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
+                    best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
             if DOC_SPLITS == 1:
                 final = best * q_scale
@@ -485,12 +488,12 @@ def maxsim_dense_nomask_fp16_triton_norm_res4_fwd_kernel(
                 n_centroids,
                 RESIDUAL_WORDS,
             )
-            sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
-            sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
+            sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
             t_valid = offs_t < d_len
-            sim = tl.where(t_valid[:, None], sim, float("-inf"))
+            sim = tl.where(t_valid[None, :], sim, float("-inf"))
             # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-            best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
+            best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
             last = (start + BLOCK_L) >= Ld

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_bf16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "bf16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e5962859eddcd6449668b4993898d00d1b4ecfe171362f98705d32d72df06992
+# body-sha256: 593c6706edf29da3c6710375750be9d2ab9f91046287639efb5ec844ddfec0b5
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_bf16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -234,7 +234,6 @@ def maxsim_varlen_nomask_bf16_triton_norm_res4_fwd_kernel(
     q_valid = q_in_range
     q_scale = _inv_l2_norm(q.to(tl.float32))
     q = q.to(DOT_DTYPE)
-    q_t = tl.trans(q)  # tile @ q^T's right operand, transposed once per program
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
@@ -259,12 +258,12 @@ def maxsim_varlen_nomask_bf16_triton_norm_res4_fwd_kernel(
             n_centroids,
             RESIDUAL_WORDS,
         )
-        sim = tl.dot(tile.to(DOT_DTYPE), q_t, input_precision=INPUT_PRECISION)
-        sim = sim * _inv_l2_norm(tile.to(tl.float32))[:, None]
+        sim = tl.dot(q, tl.trans(tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        sim = sim * _inv_l2_norm(tile.to(tl.float32))[None, :]
         t_valid = offs_t < d_len
-        sim = tl.where(t_valid[:, None], sim, float("-inf"))
+        sim = tl.where(t_valid[None, :], sim, float("-inf"))
         # NaN-keeping max, same cost as the plain one: a non-finite input never scores finite.
-        best = _max_keep_nan(best, tl.reduce(sim, 0, _max_keep_nan))
+        best = _max_keep_nan(best, tl.reduce(sim, 1, _max_keep_nan))
 
     best = best * q_scale
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
