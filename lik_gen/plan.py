@@ -169,8 +169,8 @@ class RenderContext:
     doc_tile_ahead: tuple[str, ...] = ()
     # The forward scores tile @ q^T, doc tokens as the rows of the similarities ([BLOCK_L,
     # query rows], the max over axis 0), instead of q @ tile^T: a decoded doc tile then
-    # feeds the MMA as its left operand without a transpose (forward-only variants with no
-    # doc mask, argmax, score hook or scales).
+    # feeds the MMA as its left operand without a transpose. Not with a saved argmax or a
+    # score hook, whose tile updates take [query rows, doc tokens] (__post_init__).
     doc_token_rows: bool = False
     nbits: int = 0
     # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
@@ -193,6 +193,12 @@ class RenderContext:
         """The constexprs the doc-tile hook takes (kernel parameters, set per call by the
         launcher from DOC_TILE_CONSTEXPRS)."""
         return tuple(name for name in self.doc_tile_params if name in DOC_TILE_CONSTEXPRS)
+
+    def __post_init__(self):
+        hooked = self.score is not None and self.score.hook != ""
+        if self.doc_token_rows and (self.save_argmax or hooked):
+            raise PlanError(f"{self.name}: doc_token_rows scores the plain max only (no saved "
+                            "argmax, no score hook)")  # fmt: skip
 
     @property
     def evict_docs_option(self) -> bool:

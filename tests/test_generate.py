@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ from helpers import jit_functions
 
 from lik_gen.cli import main
 from lik_gen.ir import Variant
-from lik_gen.plan import plan
+from lik_gen.plan import PlanError, plan
 from lik_gen.render import render_all
 from lik_gen.spec import load_specs
 from lik_gen.write import body_matches_header, check, sync
@@ -287,3 +288,7 @@ def test_residual_nbits2_scores_doc_tokens_as_the_rows_of_every_tile():
         assert not plan(Variant.parse(name)).doc_token_rows
         rows_dots, query_dots, token_maxima = dots(name)
         assert (rows_dots, token_maxima) == (0, 0) and query_dots > 0
+    for name in ("maxsim_dense_nomask_bf16_triton_norm_unified",
+                 "maxsim_dense_dmask_bf16_triton_norm_smooth"):  # fmt: skip
+        with pytest.raises(PlanError, match="doc_token_rows"):
+            dataclasses.replace(plan(Variant.parse(name)), doc_token_rows=True)
