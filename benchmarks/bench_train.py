@@ -6,6 +6,7 @@ matrix (a stand-in for a loss) and backpropagates to Q and D. Gradients are chec
 against a float64 reference before anything is timed.
 
     python3 benchmarks/bench_train.py --out DIR [--shapes inbatch-256,kd-64x32] [--quick]
+    python3 benchmarks/bench_train.py --out DIR --dry-run   # CPU, tiny shapes, lik and eager
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from common import (  # noqa: E402
     attempt,
     back_to_back_ms,
     bench_ms,
+    cpu_wallclock_ms,
     environment_info,
     format_ms,
     format_ratio,
@@ -52,13 +54,13 @@ LOOP_STEPS = 100
 LOOP_ROUNDS = 3
 
 
-def make_inputs(layout, nq, nd, lq, ld, d, seed):
-    q = normalized_tokens(nq, lq, d, device="cuda", seed=seed)
+def make_inputs(layout, nq, nd, lq, ld, d, seed, device="cuda"):
+    q = normalized_tokens(nq, lq, d, device=device, seed=seed)
     if layout == "kd":
-        docs = normalized_tokens(nq * nd, ld, d, device="cuda", seed=seed + 1).view(nq, nd, ld, d)
+        docs = normalized_tokens(nq * nd, ld, d, device=device, seed=seed + 1).view(nq, nd, ld, d)
     else:
-        docs = normalized_tokens(nd, ld, d, device="cuda", seed=seed + 1)
-    weights = torch.randn(nq, nd, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+        docs = normalized_tokens(nd, ld, d, device=device, seed=seed + 1)
+    weights = torch.randn(nq, nd, device=device, generator=torch.Generator(device).manual_seed(7))
     return q, docs, weights
 
 
@@ -92,6 +94,9 @@ def build(key: str, layout: str) -> Callable:
 IMPLEMENTATIONS = ["lik-auto", "lik-unified", "lik-lowmem", "LIK-unified", "LIK-lowmem",
                    "flash", "eager"]  # fmt: skip
 PEERS = ["LIK-unified", "LIK-lowmem", "flash"]
+# A dry run (CPU, tiny shapes) exercises the script itself: lik through its CPU path and
+# eager, timed by wall clock, with no peers, graphs, peak memory or back-to-back loops.
+DRY_RUN_IMPLEMENTATIONS = ["lik-auto", "lik-unified", "lik-lowmem", "eager"]
 
 
 def step(scores: Callable, q, docs, weights):
@@ -118,7 +123,7 @@ def reference_gradients(q, docs, weights, layout):
     return q64.grad, d64.grad
 
 
-def measure(key, layout, q, docs, weights, reference, timing, scores=None) -> dict:
+def measure(key, layout, q, docs, weights, reference, timing, scores=None, dry_run=False) -> dict:
     """One implementation's step: gradient check, then timings and peak memory. `scores`
     (q, docs) -> scores replaces build(key, layout) where a caller scores another way
     (packed ragged batches)."""
@@ -132,6 +137,9 @@ def measure(key, layout, q, docs, weights, reference, timing, scores=None) -> di
     errors = [relative_error(g, r) for g, r in zip(grads, reference, strict=True)]
     result = {"grad_q_err": errors[0], "grad_d_err": errors[1],
               "parity_ok": max(errors) < GRADIENT_TOLERANCE}  # fmt: skip
+    if dry_run:
+        timed, error = attempt(lambda: cpu_wallclock_ms(lambda: step(scores, q, docs, weights)))
+        return {**result, "ms": timed, "error": error}
     timed, error = attempt(lambda: bench_ms(lambda: step(scores, q, docs, weights), **timing))
     if error:
         return {**result, "error": error}
@@ -152,19 +160,26 @@ def measure(key, layout, q, docs, weights, reference, timing, scores=None) -> di
 def run(args) -> dict:
     timing = TIMING["quick" if args.quick else "full"]
     wanted = set(args.shapes.split(",")) if args.shapes else None
+    device = "cpu" if args.dry_run else "cuda"
     report = {"env": environment_info(["late-interaction-kernels", "flash-maxsim"]),
               "gpu": gpu_name(), "shapes": []}  # fmt: skip
     for name, nq, nd, lq, ld, d, layout in SHAPES:
         if wanted and name not in wanted:
             continue
+        if args.dry_run:
+            nq, nd, lq, ld = min(nq, 4), min(nd, 4), 8, 16
         print(f"[{name}] {nq}, {nd}, {lq}, {ld}, {d} ({layout})", flush=True)
-        q, docs, weights = make_inputs(layout, nq, nd, lq, ld, d, seed=11)
+        q, docs, weights = make_inputs(layout, nq, nd, lq, ld, d, seed=11, device=device)
         q.requires_grad_()
         docs.requires_grad_()
         reference = reference_gradients(q, docs, weights, layout)
         record = {"name": name, "dims": [nq, nd, lq, ld, d], "layout": layout, "results": {}}
         for key in IMPLEMENTATIONS:
-            result = measure(key, layout, q, docs, weights, reference, timing)
+            if args.dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
+                result = {"error": "skipped in dry run"}
+            else:
+                result = measure(key, layout, q, docs, weights, reference, timing,
+                                 dry_run=args.dry_run)  # fmt: skip
             record["results"][key] = result
             print(f"  {key:12s} {format_ms(result.get('ms'))} ms, "
                   f"{format_ms(result.get('peak_mib'))} MiB, grad err "
@@ -222,10 +237,12 @@ def markdown(report: dict) -> str:
     )  # fmt: skip
     parts = [f"# Training forward + backward on {report['gpu']}", "",
              "Cells: median ms / peak MiB above inputs (gradients included), same run.", "",
-             markdown_table(headers, rows), "",
-             "GPU time alone: the same step captured in a CUDA graph and replayed (median ms;"
-             " no host work between kernels).", "",
-             markdown_table(headers, _timing_rows(report, "graph_ms", "graph_error"))]  # fmt: skip
+             markdown_table(headers, rows)]  # fmt: skip
+    if any("graph_ms" in r for record in report["shapes"] for r in record["results"].values()):
+        graph_rows = _timing_rows(report, "graph_ms", "graph_error")
+        parts += ["", "GPU time alone: the same step captured in a CUDA graph and replayed"
+                  " (median ms; no host work between kernels).", "",
+                  markdown_table(headers, graph_rows)]  # fmt: skip
     if any("loop_ms" in r for record in report["shapes"] for r in record["results"].values()):
         loop_rows = _timing_rows(report, "loop_ms", "loop_error")
         parts += ["", f"Back to back: ms per step of {LOOP_STEPS} steps issued in a row with one"
@@ -241,6 +258,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny shapes, lik and eager only: exercises the script")
     parser.add_argument(
         "--render",
         type=Path,
@@ -252,13 +271,13 @@ def main(argv=None) -> int:
     if args.render:
         write_report(json.loads(args.render.read_text()), args.out)
         return 0
-    if missing_gpu("bench_train"):
+    if not args.dry_run and missing_gpu("bench_train"):
         return 2
-    write_report(run(args), args.out)
+    write_report(run(args), args.out, dry_run=args.dry_run)
     return 0
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, dry_run: bool = False) -> None:
     def speedup(record, peer):
         lik, other = (record["results"][name].get("ms") for name in ("lik-auto", peer))
         return other / lik if lik and other else None
@@ -267,7 +286,8 @@ def write_report(report: dict, out: Path) -> None:
     names = [r["name"] for r in report["shapes"]]
     series = {f"vs {p}": [speedup(r, p) for r in report["shapes"]] for p in [*PEERS, "eager"]}
     title = f"lik training speedup (auto backward), {report['gpu']}"
-    write_results(out, f"train_{gpu_tag(report['gpu'])}", report, text, (names, series, title))
+    stem = f"train_{gpu_tag(report['gpu'])}" + ("_dry-run" if dry_run else "")
+    write_results(out, stem, report, text, (names, series, title))
     print(text)
 
 
