@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: c9cd0999546ed3feac4d4b2e40d42bb207abb00312b80002df0daa45361a10cd
+# body-sha256: 75ac5b32506293de5f92a584749031be48403d91068d20b9a34501a5adc60034
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -267,7 +267,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_res2_fwd_kernel(
     q_t = tl.trans(q)  # tile @ q^T's right operand, transposed once per program
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
-    next_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, 0 + tl.arange(0, BLOCK_L), d_len)
+    next_ahead = _doc_tile_ahead(Codes, code_base, stride_ct, tl.arange(0, BLOCK_L), d_len)
     for start in range(0, d_len, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
         tile_ahead = next_ahead
