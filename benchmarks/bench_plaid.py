@@ -22,6 +22,7 @@ show when a small rerank is paced by its host work rather than by its kernel.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -189,16 +190,17 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
     cu_q = torch.tensor([0, LQ], dtype=torch.int32, device="cuda")
     # The residuals as calls pass them (their int32 word view where torch can make it).
     dense_res, flat_res = plaid._residual_words(padded[1]), plaid._residual_words(flat[1])
-    launches = {
-        "dense": lambda m, out, c: m.launch(out, Q, padded[0], dense_res, centroids, weights,
-                                            padded[2], config=c),
-        "varlen": lambda m, out, c: m.launch(out, Q[0], flat[0], flat_res, centroids, weights,
-                                             cu_q, flat[2], max_seqlen_q=LQ, config=c),
+    launches = {  # w: the weights in the order the layout's kernel reads them
+        "dense": lambda m, out, c, w: m.launch(out, Q, padded[0], dense_res, centroids, w,
+                                               padded[2], config=c),
+        "varlen": lambda m, out, c, w: m.launch(out, Q[0], flat[0], flat_res, centroids, w,
+                                                cu_q, flat[2], max_seqlen_q=LQ, config=c),
     }  # fmt: skip
     found = {}
-    for layout, launch in launches.items():
+    for layout, launch_with in launches.items():
         name = plaid._variant(layout, centroids, nbits)
         module = registry.load(name)
+        launch = functools.partial(launch_with, w=plaid._kernel_weights(name, weights, nbits))
         default = dispatch._config(name, module, Q, LQ, n_docs)
         key = KernelKey(name, gpu_family(Q.device), padded_head_dim(args.dim), lq_bucket(LQ),
                         size_class(n_docs), 1)  # fmt: skip

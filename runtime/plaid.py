@@ -28,6 +28,9 @@ truncated or wrong finite score. Shapes, dtypes and devices are checked up front
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 from lik.runtime import dispatch, ragged, registry
@@ -171,6 +174,44 @@ def _residual_words(residuals: torch.Tensor) -> torch.Tensor:
         return residuals
 
 
+@functools.cache
+def _bit_reversal(nbits: int, device: torch.device) -> torch.Tensor:
+    """[2**nbits] int64: each bucket id with its nbits bits in reverse order."""
+    ids = torch.arange(1 << nbits)
+    return sum(((ids >> bit) & 1) << (nbits - 1 - bit) for bit in range(nbits)).to(device)
+
+
+# Per weight table, its bit-reversed copy while the table lives and is not written in place
+# (its version counter then moves): an index's codebook is reordered once, not per call.
+# Inference tensors keep no version counter and are reordered per call.
+_REVERSED_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def _bit_reversed_weights(weights: torch.Tensor, nbits: int) -> torch.Tensor:
+    key = id(weights)
+    cached = _REVERSED_WEIGHTS.get(key)
+    if cached is not None and cached[0]() is weights and cached[1] == weights._version:
+        return cached[2]
+    with torch.no_grad():
+        table = weights[_bit_reversal(nbits, weights.device)]
+    if not weights.is_inference():
+
+        def forget(_, key=key):
+            _REVERSED_WEIGHTS.pop(key, None)
+
+        _REVERSED_WEIGHTS[key] = (weakref.ref(weights, forget), weights._version, table)
+    return table
+
+
+def _kernel_weights(name: str, weights: torch.Tensor, nbits: int) -> torch.Tensor:
+    """bucket_weights as variant name's forward takes them: bit-reversed where its module
+    says so (BUCKET_WEIGHTS_BIT_REVERSED, nbits 8: the kernel then indexes them with the
+    packed bits as they stand), else as given."""
+    if registry.load(name).BUCKET_WEIGHTS_BIT_REVERSED:
+        return _bit_reversed_weights(weights, nbits)
+    return weights
+
+
 def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
     return variant_name(layout, False, False, True, centroids.dtype) + f"_res{nbits}"
 
@@ -189,10 +230,12 @@ def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, 
     if out.numel() == 0:
         return out
     # Lq == 0 still launches once (launch_in_query_chunks): bad lengths must still poison.
+    name = _variant("dense", centroids, nbits)
+    weights = _kernel_weights(name, bucket_weights, nbits)
     shared = {"codes": codes, "residuals": _residual_words(residuals), "centroids": centroids,
-              "bucket_weights": bucket_weights, "doc_lengths": doc_lengths}  # fmt: skip
+              "bucket_weights": weights, "doc_lengths": doc_lengths}  # fmt: skip
     return dispatch.launch_in_query_chunks(
-        _variant("dense", centroids, nbits), out, Q, {}, shared,
+        name, out, Q, {}, shared,
         docs=codes.shape[0], doc_tokens=codes.shape[1],
     )  # fmt: skip
 
@@ -349,6 +392,7 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
     name = _variant("varlen", centroids, nbits)
     module = registry.load(name)
     residuals = _residual_words(residuals)  # once for every query chunk
+    weights = _kernel_weights(name, bucket_weights, nbits)
     for start, stop in _query_chunks(Lq):
         lq = stop - start
         # The varlen kernel reads packed queries: a padded [Nq, lq, d] batch is Nq
@@ -366,7 +410,7 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
             codes,
             residuals,
             centroids,
-            bucket_weights,
+            weights,
             cu_q,
             cu_d,
             max_seqlen_q=lq,

@@ -9,6 +9,7 @@ per dim, then numpy.packbits), independently of lik's reference and kernel decod
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,7 @@ def test_variant_matches_reference(name, storage):
                                     weights.double(), nbits)  # fmt: skip
     out = poisoned((Nq, B), DEVICE)
     Qd, c, w = _to(DEVICE, Q, centroids, weights)
+    w = plaid._kernel_weights(name, w, nbits)  # in the order the kernel reads them
     module, config = _config(name, Qd)
     if variant.layout.value == "dense":
         module.launch(out, Qd, *_to(DEVICE, codes, stored), c, w, lengths.to(DEVICE),
@@ -273,7 +275,7 @@ def test_residuals_reach_the_kernel_as_words_when_torch_can_view_them():
 
 
 @needs_kernels
-@pytest.mark.parametrize("nbits", [2, 4])
+@pytest.mark.parametrize("nbits", [2, 4, 8])
 def test_misaligned_residuals_score_like_aligned_ones(nbits):
     """The public entries read residuals at any address: an index sliced at an odd byte
     offset takes the byte path and scores like an aligned copy (the word path)."""
@@ -289,6 +291,51 @@ def test_misaligned_residuals_score_like_aligned_ones(nbits):
         assert (plaid._residual_words(stored) is stored) == (stored is shifted)
         out = plaid.maxsim_residual(Qd, c, stored, lens, cent, w, nbits)
         assert relative_error(out, ref) < _bound(torch.float16)
+
+
+def test_bit_reversal_of_bucket_ids():
+    cpu = torch.device("cpu")
+    assert plaid._bit_reversal(2, cpu).tolist() == [0, 2, 1, 3]
+    assert plaid._bit_reversal(4, cpu).tolist()[:6] == [0, 8, 4, 12, 2, 10]
+    rev8 = plaid._bit_reversal(8, cpu)
+    assert int(rev8[1]) == 128 and int(rev8[0b00000110]) == 0b01100000
+    assert torch.equal(rev8[rev8], torch.arange(256))  # its own inverse
+
+
+def test_bit_reversed_weights_are_reordered_once_per_table_version():
+    """nbits 8 kernels take the weight table bit-reversed: reordered once per table, again
+    after an in-place write, forgotten with the table; inference tensors (no version
+    counter) are reordered per call."""
+    weights = torch.randn(256, device=DEVICE)
+    first = plaid._bit_reversed_weights(weights, 8)
+    assert torch.equal(first, weights[plaid._bit_reversal(8, weights.device)])
+    assert plaid._bit_reversed_weights(weights, 8) is first
+    weights.mul_(2)
+    second = plaid._bit_reversed_weights(weights, 8)
+    assert second is not first and torch.equal(second, 2 * first)
+    key = id(weights)
+    del weights
+    gc.collect()
+    assert key not in plaid._REVERSED_WEIGHTS
+    with torch.inference_mode():
+        frozen = torch.randn(256, device=DEVICE)
+        once = plaid._bit_reversed_weights(frozen, 8)
+        assert plaid._bit_reversed_weights(frozen, 8) is not once
+        assert id(frozen) not in plaid._REVERSED_WEIGHTS
+
+
+@needs_kernels
+def test_scores_follow_weights_written_in_place():
+    codes, residuals, lengths, centroids, weights, g = _index(nbits=8, B=3, Ld=5, dim=16)
+    Q = torch.randn(2, 4, 16, generator=g)
+    Qd, c, r, lens, cent, w = _to(DEVICE, Q, codes, residuals, lengths, centroids, weights)
+    for step in range(2):
+        if step:
+            w.mul_(-3)
+        ref = maxsim_residual_reference(Q.double(), codes, residuals, lengths,
+                                        centroids.double(), w.cpu().double(), 8)  # fmt: skip
+        out = plaid.maxsim_residual(Qd, c, r, lens, cent, w, 8)
+        assert relative_error(out, ref) < _bound(torch.float16), step
 
 
 @needs_kernels

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7967edb2e8ae4907acb09258617fcb6656b9e2fd0dea2b2b8b9a6e4420772cc3
+# body-sha256: b72ef5c510bd046e44ef58373a6c5c22f9b1a7866554294ccd53acc3741d1e5c
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,9 @@ SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
+# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
+# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
+BUCKET_WEIGHTS_BIT_REVERSED = True
 
 
 @triton.jit
@@ -150,9 +153,13 @@ def _load_doc_tile(
         stride_rt,
         stride_rp,
         RESIDUAL_WORDS,
-        True,
+        False,
     )
-    bucket = ((units >> flat[None, :]) & ((1 << 8) - 1)).to(tl.int32)
+    # Unreversed, dim k's bucket bits are the field of bits 8 - nbits - f .. 7 - f of its
+    # byte (f = flat % 8), its lowest bucket bit on top: the field reads as the bucket id
+    # with its bits reversed, which indexes the bit-reversed table as it stands.
+    field_shift = (flat // 8) * 8 + (8 - 8) - flat % 8
+    bucket = ((units >> field_shift[None, :]) & ((1 << 8) - 1)).to(tl.int32)
     # 16 or 256 entries, cache-resident (a select tree over 16 lost to this gather); 64-bit
     # like every other offset times a stride.
     weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)

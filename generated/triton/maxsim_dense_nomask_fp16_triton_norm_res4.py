@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 20cf8493afc93c96319418dcf4b0209065f46fc11af05b95db4b3d801cb4800b
+# body-sha256: a6797e6223da5b986d2ef5baaf1c3220ab3e9a7d6cf5413394035aa868714d14
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,9 @@ SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
+# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
+# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
+BUCKET_WEIGHTS_BIT_REVERSED = False
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d04c28d3c29569fee339f22a01246db8cdb7705d86c231196ba7c4f61c2e4aa5
+# body-sha256: 568a2a3e53a820961d717f481cacafeab4bb678ba2a576afaf7071fa5f2f43b4
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,9 @@ SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
+# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
+# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
+BUCKET_WEIGHTS_BIT_REVERSED = True
 
 
 @triton.jit
@@ -150,9 +153,13 @@ def _load_doc_tile(
         stride_rt,
         stride_rp,
         RESIDUAL_WORDS,
-        True,
+        False,
     )
-    bucket = ((units >> flat[None, :]) & ((1 << 8) - 1)).to(tl.int32)
+    # Unreversed, dim k's bucket bits are the field of bits 8 - nbits - f .. 7 - f of its
+    # byte (f = flat % 8), its lowest bucket bit on top: the field reads as the bucket id
+    # with its bits reversed, which indexes the bit-reversed table as it stands.
+    field_shift = (flat // 8) * 8 + (8 - 8) - flat % 8
+    bucket = ((units >> field_shift[None, :]) & ((1 << 8) - 1)).to(tl.int32)
     # 16 or 256 entries, cache-resident (a select tree over 16 lost to this gather); 64-bit
     # like every other offset times a stride.
     weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)

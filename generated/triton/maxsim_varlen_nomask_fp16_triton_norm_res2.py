@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 75ac5b32506293de5f92a584749031be48403d91068d20b9a34501a5adc60034
+# body-sha256: 8be86168da69a8821a101a2e76971105b0af49b2dafd53531c1fd7db04164a3e
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -22,6 +22,9 @@ SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
+# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
+# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
+BUCKET_WEIGHTS_BIT_REVERSED = False
 
 
 @triton.jit

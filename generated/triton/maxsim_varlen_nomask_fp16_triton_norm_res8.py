@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3e21d0e8d6ac501f2974a25978ff878c351030c0547de9032c91f5d177df1dfb
+# body-sha256: e85c526aac3ddccf250f1f6d5f62dfc89ba34a075fe4ae4b04ff815926c61d38
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -22,6 +22,9 @@ SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
+# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
+# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
+BUCKET_WEIGHTS_BIT_REVERSED = True
 
 
 @triton.jit
@@ -149,9 +152,13 @@ def _load_doc_tile(
         stride_rt,
         stride_rp,
         RESIDUAL_WORDS,
-        True,
+        False,
     )
-    bucket = ((units >> flat[None, :]) & ((1 << 8) - 1)).to(tl.int32)
+    # Unreversed, dim k's bucket bits are the field of bits 8 - nbits - f .. 7 - f of its
+    # byte (f = flat % 8), its lowest bucket bit on top: the field reads as the bucket id
+    # with its bits reversed, which indexes the bit-reversed table as it stands.
+    field_shift = (flat // 8) * 8 + (8 - 8) - flat % 8
+    bucket = ((units >> field_shift[None, :]) & ((1 << 8) - 1)).to(tl.int32)
     # 16 or 256 entries, cache-resident (a select tree over 16 lost to this gather); 64-bit
     # like every other offset times a stride.
     weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
