@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b72ef5c510bd046e44ef58373a6c5c22f9b1a7866554294ccd53acc3741d1e5c
+# body-sha256: 8d4e5d9184bcfc6a2cdf7f98abff537788ecafff17b0ba3e4cfe8a39a0700a76
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -160,9 +160,14 @@ def _load_doc_tile(
     # with its bits reversed, which indexes the bit-reversed table as it stands.
     field_shift = (flat // 8) * 8 + (8 - 8) - flat % 8
     bucket = ((units >> field_shift[None, :]) & ((1 << 8) - 1)).to(tl.int32)
-    # 16 or 256 entries, cache-resident (a select tree over 16 lost to this gather); 64-bit
-    # like every other offset times a stride.
-    weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
+    # The 16 or 256 weights held in registers, each dim's bucket picking its own (tl.gather,
+    # through shared memory) rather than a global load per dim: H200, GPU time, 4096 docs
+    # 0.179 -> 0.159 ms nbits 4 and 0.189 -> 0.178 nbits 8, dense; 5-6% at 1000 docs
+    # (benchmarks/results/plaid_weight_gather_H200.md). A select tree over 16 lost to the
+    # global load.
+    table = tl.load(BucketWeights + tl.arange(0, 256) * stride_wb)
+    flat_bucket = tl.reshape(bucket, [offs_t.shape[0] * offs_k.shape[0]])
+    weight = tl.reshape(tl.gather(table, flat_bucket, 0), [offs_t.shape[0], offs_k.shape[0]])
     # Bad codes to NaN in a select of their own: through the centroid load's fill, as
     # nbits 2 does, these gathers ran 3-6% slower (same A/B).
     value = tl.where(

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a6797e6223da5b986d2ef5baaf1c3220ab3e9a7d6cf5413394035aa868714d14
+# body-sha256: 0ca4fdfef906c6ed3691bcb43ebb5087522c8990fc15a2b25b9d26b6fd0228b9
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -149,9 +149,14 @@ def _load_doc_tile(
         True,
     )
     bucket = ((units >> flat[None, :]) & ((1 << 4) - 1)).to(tl.int32)
-    # 16 or 256 entries, cache-resident (a select tree over 16 lost to this gather); 64-bit
-    # like every other offset times a stride.
-    weight = tl.load(BucketWeights + bucket.to(tl.int64) * stride_wb)
+    # The 16 or 256 weights held in registers, each dim's bucket picking its own (tl.gather,
+    # through shared memory) rather than a global load per dim: H200, GPU time, 4096 docs
+    # 0.179 -> 0.159 ms nbits 4 and 0.189 -> 0.178 nbits 8, dense; 5-6% at 1000 docs
+    # (benchmarks/results/plaid_weight_gather_H200.md). A select tree over 16 lost to the
+    # global load.
+    table = tl.load(BucketWeights + tl.arange(0, 16) * stride_wb)
+    flat_bucket = tl.reshape(bucket, [offs_t.shape[0] * offs_k.shape[0]])
+    weight = tl.reshape(tl.gather(table, flat_bucket, 0), [offs_t.shape[0], offs_k.shape[0]])
     # Bad codes to NaN in a select of their own: through the centroid load's fill, as
     # nbits 2 does, these gathers ran 3-6% slower (same A/B).
     value = tl.where(
