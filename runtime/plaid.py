@@ -28,7 +28,6 @@ truncated or wrong finite score. Shapes, dtypes and devices are checked up front
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -174,32 +173,43 @@ def _residual_words(residuals: torch.Tensor) -> torch.Tensor:
         return residuals
 
 
-@functools.cache
-def _bit_reversal(nbits: int, device: torch.device) -> torch.Tensor:
-    """[2**nbits] int64: each bucket id with its nbits bits in reverse order."""
-    ids = torch.arange(1 << nbits)
-    return sum(((ids >> bit) & 1) << (nbits - 1 - bit) for bit in range(nbits)).to(device)
+def _bit_reversed(weights: torch.Tensor, nbits: int) -> torch.Tensor:
+    """weights [2**nbits] reordered so that entry i is the weight of bucket i with its nbits
+    bits reversed: the table's nbits binary axes in reverse order (one copy on the device,
+    no index tensor, so a CUDA graph can capture it)."""
+    return weights.reshape([2] * nbits).permute(*range(nbits - 1, -1, -1)).reshape(-1)
 
 
-# Per weight table, its bit-reversed copy while the table lives and is not written in place
-# (its version counter then moves): an index's codebook is reordered once, not per call.
-# Inference tensors keep no version counter and are reordered per call.
-_REVERSED_WEIGHTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+# Per weight table, its bit-reversed copies while the table lives and is not written in
+# place (its version counter then moves): an index's codebook is reordered once, not per
+# call. One copy per CUDA stream, since a copy is only ready in order on the stream that
+# made it. Reordered per call: inference tensors (they keep no version counter) and calls
+# under CUDA graph capture (a captured copy is only written when the graph replays, so the
+# graph holds its own reordering).
+_REVERSED_WEIGHTS: dict[int, tuple[weakref.ref, int, dict]] = {}
 
 
 def _bit_reversed_weights(weights: torch.Tensor, nbits: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(weights.device).cuda_stream if weights.is_cuda else None
+    capturing = weights.is_cuda and torch.cuda.is_current_stream_capturing()
     key = id(weights)
-    cached = _REVERSED_WEIGHTS.get(key)
-    if cached is not None and cached[0]() is weights and cached[1] == weights._version:
-        return cached[2]
+    copies = None
+    if not weights.is_inference() and not capturing:
+        entry = _REVERSED_WEIGHTS.get(key)
+        if entry is None or entry[0]() is not weights or entry[1] != weights._version:
+
+            def forget(_, key=key):
+                _REVERSED_WEIGHTS.pop(key, None)
+
+            entry = (weakref.ref(weights, forget), weights._version, {})
+            _REVERSED_WEIGHTS[key] = entry
+        copies = entry[2]
+        if stream in copies:
+            return copies[stream]
     with torch.no_grad():
-        table = weights[_bit_reversal(nbits, weights.device)]
-    if not weights.is_inference():
-
-        def forget(_, key=key):
-            _REVERSED_WEIGHTS.pop(key, None)
-
-        _REVERSED_WEIGHTS[key] = (weakref.ref(weights, forget), weights._version, table)
+        table = _bit_reversed(weights, nbits)
+    if copies is not None:
+        copies[stream] = table
     return table
 
 

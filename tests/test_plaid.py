@@ -293,13 +293,14 @@ def test_misaligned_residuals_score_like_aligned_ones(nbits):
         assert relative_error(out, ref) < _bound(torch.float16)
 
 
-def test_bit_reversal_of_bucket_ids():
-    cpu = torch.device("cpu")
-    assert plaid._bit_reversal(2, cpu).tolist() == [0, 2, 1, 3]
-    assert plaid._bit_reversal(4, cpu).tolist()[:6] == [0, 8, 4, 12, 2, 10]
-    rev8 = plaid._bit_reversal(8, cpu)
-    assert int(rev8[1]) == 128 and int(rev8[0b00000110]) == 0b01100000
-    assert torch.equal(rev8[rev8], torch.arange(256))  # its own inverse
+def test_bit_reversed_tables():
+    for nbits, head in ((2, [0, 2, 1, 3]), (4, [0, 8, 4, 12, 2, 10]), (8, [0, 128, 64, 192])):
+        table = plaid._bit_reversed(torch.arange(1 << nbits), nbits)
+        assert table.tolist()[: len(head)] == head
+        assert torch.equal(plaid._bit_reversed(table, nbits), torch.arange(1 << nbits))
+    assert int(plaid._bit_reversed(torch.arange(256), 8)[0b00000110]) == 0b01100000
+    strided = torch.arange(512.0)[::2]  # a view with stride 2 reorders like a copy of it
+    assert torch.equal(plaid._bit_reversed(strided, 8), plaid._bit_reversed(strided.clone(), 8))
 
 
 def test_bit_reversed_weights_are_reordered_once_per_table_version():
@@ -308,7 +309,7 @@ def test_bit_reversed_weights_are_reordered_once_per_table_version():
     counter) are reordered per call."""
     weights = torch.randn(256, device=DEVICE)
     first = plaid._bit_reversed_weights(weights, 8)
-    assert torch.equal(first, weights[plaid._bit_reversal(8, weights.device)])
+    assert torch.equal(first, plaid._bit_reversed(weights, 8))
     assert plaid._bit_reversed_weights(weights, 8) is first
     weights.mul_(2)
     second = plaid._bit_reversed_weights(weights, 8)
@@ -627,6 +628,34 @@ def test_gpu_colbert_rerank_parity(name):
                                            max_seqlen_d=Ld)  # fmt: skip
     bound = 1e-3 if dtype == torch.float32 else TOLERANCE[dtype]
     assert relative_error(out, ref) < bound, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bit_reversed_weights_per_stream_and_per_graph():
+    """A reordered weight table is only ready in order on the stream that made it, and a
+    captured one only once its graph replays: each stream keeps its own copy, and a capture
+    reorders inside its graph and caches nothing."""
+    weights = torch.randn(256, device="cuda")
+    mine = plaid._bit_reversed_weights(weights, 8)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        theirs = plaid._bit_reversed_weights(weights, 8)
+        assert plaid._bit_reversed_weights(weights, 8) is theirs
+    torch.cuda.current_stream().wait_stream(side)
+    assert theirs is not mine and torch.equal(theirs, mine)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = plaid._bit_reversed_weights(weights, 8)
+    weights.add_(1)  # the graph reads the table as it is when it replays
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plaid._bit_reversed(weights, 8))
+    fresh = plaid._bit_reversed_weights(weights, 8)  # the write dropped both copies
+    assert fresh is not mine and torch.equal(fresh, captured)
+    stream = torch.cuda.current_stream().cuda_stream
+    assert list(plaid._REVERSED_WEIGHTS[id(weights)][2]) == [stream]
 
 
 @pytest.mark.gpu
