@@ -5,6 +5,7 @@ equivalents (einsum to [Nq, Nd, Lq, Ld], then the reduction): inference and trai
 Outputs are checked against a float64 reference before anything is timed.
 
     python3 benchmarks/bench_variants.py --out DIR [--quick]
+    python3 benchmarks/bench_variants.py --out DIR --dry-run   # CPU, tiny shapes, reference path
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     attempt,
     bench_ms,
+    cpu_wallclock_ms,
     environment_info,
     format_ms,
     format_ratio,
@@ -38,6 +40,10 @@ SHAPES = [("inbatch-128", 128, 128, 32, 300, 128), ("colpali-32", 32, 32, 128, 1
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
 SCORES = {"weighted": {}, "smooth": {"tau": 0.1}, "topk_mean": {"k": 4}}
 TOLERANCE = 2e-2  # bf16 inputs against float64
+# A dry run (CPU) exercises the script itself: both shapes shrunk to these (Nq, Nd, Lq, Ld, d),
+# lik through its reference path and eager, timed by wall clock, with no peak memory.
+DRY_RUN_DIMS = (3, 4, 5, 7, 16)
+DRY_RUN_TIMER = "CPU wall clock, dry run"
 
 
 def lik_scores(score: str, params: dict):
@@ -92,10 +98,10 @@ def training_step(scores, q, d, w, score):
     return [t.grad for t in tensors]
 
 
-def measure(impl, score, params, q, d, w, ref, ref_grads, timing) -> dict:
+def measure(impl, score, params, q, d, w, ref, ref_grads, timing, dry_run=False) -> dict:
     build = lik_scores if impl == "lik" else eager_scores
     scores = build(score, params)
-    result = {}
+    result = {"error": None}
     with torch.no_grad():
         out, error = attempt(lambda: scores(q, d, w))
     if error:
@@ -113,10 +119,14 @@ def measure(impl, score, params, q, d, w, ref, ref_grads, timing) -> dict:
             return scores(q, d, w)
 
     for name, fn in (("fwd", forward), ("train", lambda: training_step(scores, q, d, w, score))):
-        ms, error = attempt(lambda fn=fn: bench_ms(fn, **timing))
-        for t in (q, d, w):
-            t.grad = None
-        peak, error2 = attempt(lambda fn=fn: peak_extra_memory_mib(fn))
+        if dry_run:
+            ms, error = attempt(lambda fn=fn: cpu_wallclock_ms(fn))
+            peak, error2 = None, None  # peak GPU memory has no CPU counterpart
+        else:
+            ms, error = attempt(lambda fn=fn: bench_ms(fn, **timing))
+            for t in (q, d, w):
+                t.grad = None
+            peak, error2 = attempt(lambda fn=fn: peak_extra_memory_mib(fn))
         result[f"{name}_ms"], result[f"{name}_mib"] = ms, peak
         if error or error2:
             result["error"] = error or error2
@@ -135,19 +145,23 @@ def summary(result: dict) -> str:
 
 def run(args) -> dict:
     timing = TIMING["quick" if args.quick else "full"]
-    report = {"env": environment_info(), "gpu": gpu_name(), "shapes": []}
-    for name, nq, nd, lq, ld, dim in SHAPES:
-        q = normalized_tokens(nq, lq, dim, device="cuda", seed=21).requires_grad_()
-        d = normalized_tokens(nd, ld, dim, device="cuda", seed=22).requires_grad_()
-        g = torch.Generator("cuda").manual_seed(23)
-        w = torch.rand(nq, lq, device="cuda", generator=g).requires_grad_()
-        LOSS_WEIGHTS[torch.Size((nq, nd))] = torch.randn(nq, nd, device="cuda", generator=g)
+    device = "cpu" if args.dry_run else "cuda"
+    timer = {"timer": DRY_RUN_TIMER} if args.dry_run else {"timer": "triton do_bench", **timing}
+    report = {"env": environment_info(), "gpu": gpu_name(), "timing": timer, "shapes": []}
+    for name, *dims in SHAPES:
+        nq, nd, lq, ld, dim = DRY_RUN_DIMS if args.dry_run else dims
+        q = normalized_tokens(nq, lq, dim, device=device, seed=21).requires_grad_()
+        d = normalized_tokens(nd, ld, dim, device=device, seed=22).requires_grad_()
+        g = torch.Generator(device).manual_seed(23)
+        w = torch.rand(nq, lq, device=device, generator=g).requires_grad_()
+        LOSS_WEIGHTS[torch.Size((nq, nd))] = torch.randn(nq, nd, device=device, generator=g)
         for score, params in SCORES.items():
             ref, ref_grads = reference(score, params, q, d, w, grads=True)
             record = {"shape": name, "dims": [nq, nd, lq, ld, dim], "score": score,
                       "params": params, "results": {}}  # fmt: skip
             for impl in ("lik", "eager"):
-                result = measure(impl, score, params, q, d, w, ref, ref_grads, timing)
+                result = measure(impl, score, params, q, d, w, ref, ref_grads, timing,
+                                 dry_run=args.dry_run)  # fmt: skip
                 record["results"][impl] = result
                 print(f"[{name} {score}] {impl}: {summary(result)}", flush=True)
             report["shapes"].append(record)
@@ -171,7 +185,8 @@ def markdown(report: dict) -> str:
         def cell(r, kind):
             if r.get(f"{kind}_ms") is None:
                 return f"error: {str(r.get('error', ''))[:50]}"
-            return f"{format_ms(r[f'{kind}_ms'])} / {format_ms(r[f'{kind}_mib'])}"
+            # Dry runs have no peak memory: format_ms writes None as a dash.
+            return f"{format_ms(r[f'{kind}_ms'])} / {format_ms(r.get(f'{kind}_mib'))}"
 
         parity = "ok" if lik.get("parity_ok") else "FAIL"
         rows.append([f"{record['shape']} {tuple(record['dims'])}", record["score"],
@@ -180,13 +195,16 @@ def markdown(report: dict) -> str:
                      cell(lik, "train"), cell(eager, "train"),
                      format_ratio(_ratio(eager.get("train_ms"), lik.get("train_ms"))),
                      parity])  # fmt: skip
-    return (f"# Token-score variants vs materialized PyTorch on {report['gpu']}\n\n"
-            "bf16 inputs, median ms / peak MiB above the inputs (outputs and gradients "
+    dry_run = report.get("timing", {}).get("timer") == DRY_RUN_TIMER
+    note = ("Dry run: CPU wall clock, tiny shapes, lik's reference path; no peak memory on "
+            "the CPU (—). Not a measurement.\n\n") if dry_run else ""  # fmt: skip
+    return (f"# Token-score variants vs materialized PyTorch on {report['gpu']}\n\n" + note
+            + "bf16 inputs, median ms / peak MiB above the inputs (outputs and gradients "
             "included), same run. Train = forward + backward to Q, D (and the weights).\n\n"
             + markdown_table(headers, rows) + "\n")  # fmt: skip
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, dry_run: bool = False) -> None:
     text = markdown(report)
     labels = [f"{r['shape']} {r['score']}" for r in report["shapes"]]
     series = {
@@ -197,7 +215,8 @@ def write_report(report: dict, out: Path) -> None:
         for kind in ("fwd", "train")
     }
     title = f"lik token-score variants vs materialized PyTorch, {report['gpu']}"
-    write_results(out, f"variants_{gpu_tag(report['gpu'])}", report, text, (labels, series, title))
+    stem = f"variants_{gpu_tag(report['gpu'])}" + ("_dry-run" if dry_run else "")
+    write_results(out, stem, report, text, (labels, series, title))
     print(text)
 
 
@@ -205,11 +224,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, tiny shapes, lik's reference path and eager")  # fmt: skip
     args = parser.parse_args(argv)
-    if missing_gpu("bench_variants"):
+    if not args.dry_run and missing_gpu("bench_variants"):
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    write_report(run(args), args.out)
+    write_report(run(args), args.out, dry_run=args.dry_run)
     return 0
 
 

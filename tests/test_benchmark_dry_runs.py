@@ -35,12 +35,17 @@ def _lik_results(name: str, report: dict) -> list[dict]:
     if name == "retrieve":
         return [result for case in report["cases"] for result in case["results"]
                 if result["impl"] == "lik"]  # fmt: skip
+    if name == "ragged":
+        return [result for case in report["cases"].values()
+                for impl, result in case.items() if impl.startswith("lik")]  # fmt: skip
     return [result for shape in report["shapes"]
             for impl, result in shape["results"].items()
             if impl == "lik" or impl.startswith(("lik_", "lik-"))]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["forward", "train", "head", "fp8", "retrieve", "plaid"])
+@pytest.mark.parametrize(
+    "name", ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants"]
+)
 def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path):
     report, markdown = _dry_run(name, tmp_path)
     assert markdown.startswith("# ") and "\n| " in markdown
