@@ -46,10 +46,10 @@ PARITY_TOLERANCE = 1e-2
 SKIPPED = "skipped in dry run"
 
 
-def packed_tokens(lengths: torch.Tensor, seed: int, device):
-    """Unit-norm bf16 tokens packed [sum lengths, DIM] and their int32 offsets."""
+def packed_tokens(lengths: torch.Tensor, seed: int, device, dim: int = DIM):
+    """Unit-norm bf16 tokens packed [sum lengths, dim] and their int32 offsets."""
     g = torch.Generator(device).manual_seed(seed)
-    tokens = torch.randn(int(lengths.sum()), DIM, device=device, generator=g)
+    tokens = torch.randn(int(lengths.sum()), dim, device=device, generator=g)
     tokens = torch.nn.functional.normalize(tokens, dim=-1).to(torch.bfloat16)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
     offsets[1:] = lengths.cumsum(0)

@@ -35,6 +35,9 @@ def _lik_results(name: str, report: dict) -> list[dict]:
     if name == "retrieve":
         return [result for case in report["cases"] for result in case["results"]
                 if result["impl"] == "lik"]  # fmt: skip
+    if name == "backward":  # every strategy's run of every step, each round
+        return [run for shape in report["shapes"] for runs in shape["cells"].values()
+                for run in runs]  # fmt: skip
     if name == "ragged":
         return [result for case in report["cases"].values()
                 for impl, result in case.items() if impl.startswith("lik")]  # fmt: skip
@@ -44,7 +47,8 @@ def _lik_results(name: str, report: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "name", ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants"]
+    "name",
+    ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants", "backward"],
 )
 def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path):
     report, markdown = _dry_run(name, tmp_path)
