@@ -15,9 +15,13 @@ def _needs_grad(Q: torch.Tensor, D: torch.Tensor) -> bool:
     return (Q.requires_grad or D.requires_grad) and torch.is_grad_enabled()
 
 
-# "auto" takes unified for an in-batch call whose one side outnumbers the other this many
-# times or more, and lowmem for every other call (see choose_backward).
-LOPSIDED = 64
+# "auto" takes unified for an in-batch call whose queries outnumber its docs, or whose docs
+# outnumber its queries, this many times or more, and lowmem for every other call (see
+# choose_backward).
+LOPSIDED_QUERIES = 32
+LOPSIDED_DOCS = 64
+AUTO_RULE = (f"unified where queries outnumber docs {LOPSIDED_QUERIES} times or more, or docs "
+             f"outnumber queries {LOPSIDED_DOCS} times or more; else lowmem")  # fmt: skip
 
 
 def choose_backward(backward: str | None, layout: str, nq: int, nd: int) -> str:
@@ -26,19 +30,21 @@ def choose_backward(backward: str | None, layout: str, nq: int, nd: int) -> str:
     lowmem owns each gradient element in one program and writes it in the input dtype: a
     third of unified's memory. H200, in-batch training steps replayed, lowmem against
     unified: 1.2-4.3x faster up to 16 times as many docs as queries or the other way (4 x 4
-    to 64 x 64, 256 x 16), mixed from 32 to 64 times (256 x 8 1.16x slower, 16 x 1000
-    1.12x faster), slower beyond (1 x 1000 1.7x, 256 x 2 1.8x; 1 x 250 the exception),
-    where its per-query grad_Q or per-doc grad_D has too few owners to spread
-    (benchmarks/results/auto_backward_H200.md). kd and pairs: lowmem. varlen (ragged
-    in-batch) follows dense: lowmem 1.4-1.8x faster from 16 x 16 to 128 x 128 sequences,
-    1.26x slower at 256 x 8, 2.3x slower at 1 x 1000 (backward_strategies_H200.md). A
-    pair list (packed_pairs) has only unified.
+    to 64 x 64, 256 x 16); slower from 32 times as many queries (128 x 4 and 256 x 8 1.16x)
+    and from 64 times as many docs (8 x 1000 1.2x, 1 x 1000 1.7x; 1 x 250 the exception),
+    where its per-query grad_Q or per-doc grad_D has too few owners to spread; faster still
+    at 50 and 62 docs per query (4 x 200, 16 x 1000) (benchmarks/results/
+    auto_backward_H200.md). kd and pairs: lowmem. varlen (ragged in-batch) follows dense:
+    lowmem 1.4-1.8x faster from 16 x 16 to 128 x 128 sequences, 1.26x slower at 256 x 8,
+    2.3x slower at 1 x 1000 (backward_strategies_H200.md). A pair list (packed_pairs) has
+    only unified.
     """
     if layout == "packed_pairs":
         return "unified"
     if backward in ("unified", "lowmem"):
         return backward
-    if layout in ("dense", "varlen") and max(nq, nd) >= LOPSIDED * min(nq, nd):
+    lopsided = nq >= LOPSIDED_QUERIES * nd or nd >= LOPSIDED_DOCS * nq
+    if layout in ("dense", "varlen") and lopsided:
         return "unified"
     return "lowmem"
 

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from lik.runtime import autotune, dispatch, registry, tune, validate
-from lik.runtime.api import LOPSIDED, choose_backward
+from lik.runtime.api import AUTO_RULE, choose_backward
 from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
 from lik.runtime.tuning import LaunchConfig, committed_source, config_for, table_file
 
@@ -112,10 +112,8 @@ def _backward_plan(asked: str, strategy: str, key: KernelKey, module) -> Backwar
     its key (the forward's, kernel "bwd") and that key's config."""
     if asked != "auto":
         reason = "asked"
-    elif strategy == "unified":
-        reason = f"auto: one side of the batch is {LOPSIDED} or more times the other"
     else:
-        reason = f"auto: lowmem unless one side of the batch is {LOPSIDED} times the other"
+        reason = f"auto: {AUTO_RULE}"
     bwd_key = dataclasses.replace(key, kernel="bwd")
     tuned = dispatch.autotuned_entry(bwd_key, torch.device("cuda"))
     return BackwardPlan(strategy=strategy, reason=reason, key=bwd_key,

@@ -106,7 +106,7 @@ def test_a_training_plan_on_the_committed_table(capsys):
     assert tiles in text
     lopsided = render(explain_forward((1, 1000, 32, 300, 128), family="hopper", card="",
                                       backward="auto"))  # fmt: skip
-    assert "  backward  unified (auto: one side of the batch is 64 or more times" in lopsided
+    assert "  backward  unified (auto: unified where queries outnumber docs 32 times" in lopsided
     assert "docs per program, fp32 atomics then a cast pass" in lopsided
 
 

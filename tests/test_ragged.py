@@ -153,10 +153,11 @@ def test_varlen_lowmem_leaves_tokens_outside_valid_sequences_at_zero():
 
 
 def test_varlen_backward_choice():
-    from lik.runtime.api import LOPSIDED, choose_backward
+    from lik.runtime.api import LOPSIDED_DOCS, LOPSIDED_QUERIES, choose_backward
 
     assert choose_backward(None, "varlen", 32, 32) == "lowmem"
-    assert choose_backward("auto", "varlen", 1, LOPSIDED) == "unified"
+    assert choose_backward("auto", "varlen", 1, LOPSIDED_DOCS) == "unified"
+    assert choose_backward("auto", "varlen", 8 * LOPSIDED_QUERIES, 8) == "unified"  # 256 x 8
     assert choose_backward("unified", "varlen", 32, 32) == "unified"
     assert choose_backward(None, "packed_pairs", 32, 32) == "unified"
     Q, D, cu_q, cu_d = _batch(16, 2, 2)
