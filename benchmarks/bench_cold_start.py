@@ -18,7 +18,13 @@ child), as an installed environment has one: pip compiles bytecode when it insta
 a machine without it (PYTHONDONTWRITEBYTECODE and no .pyc files) would time compiling
 torch's and Triton's sources instead.
 
+After its timed calls, each child checks a corner of its scores against the float64
+reference of the same inputs (parity_ok). A dry run builds tiny inputs on the CPU, where
+lik takes its reference path: it exercises the children, modes, caches and report, not a
+cold start.
+
     python3 benchmarks/bench_cold_start.py --out DIR [--repeats 3]
+    python3 benchmarks/bench_cold_start.py --out DIR --dry-run   # CPU, tiny shapes, 1 repeat
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from common import (  # noqa: E402
     gpu_tag,
     markdown_table,
     missing_gpu,
-    write_json,
+    write_results,
 )
 
 # (name, Nq, Nd, Lq, Ld, d, training): a rerank, an in-batch forward and a training step.
@@ -50,6 +56,15 @@ SHAPES = [
     ("train-inbatch-64", 64, 64, 32, 300, 128, True),
 ]
 TARGET_MS = 50.0
+# A dry run: the same plumbing through lik's CPU reference path, one warm child per mode by
+# default. A child takes ~2 s of start-up on the CPU, so it runs one shape, named for the
+# one it stands in for: a training step, whose child also runs the forward-only code.
+DRY_RUN_SHAPES = [("train-inbatch-64, as 4 x 4", 4, 4, 8, 12, 16, True)]
+DRY_RUN_REPEATS = 1
+# The corner of the scores checked against float64, small enough to cost nothing on a GPU.
+PARITY_QUERIES, PARITY_DOCS = 4, 64
+# bf16 inputs, fp32 accumulation: the bound bench_ragged and bench_fp8 use for bf16.
+PARITY_TOLERANCE = 1e-2
 
 CHILD = r"""
 import json, sys, time
@@ -57,13 +72,15 @@ t0 = time.perf_counter()
 import torch
 import lik
 nq, nd, lq, ld, d, training = json.loads(sys.argv[1])
-q = torch.nn.functional.normalize(torch.randn(nq, lq, d, device="cuda"), dim=-1).bfloat16()
-docs = torch.nn.functional.normalize(torch.randn(nd, ld, d, device="cuda"), dim=-1).bfloat16()
+device = sys.argv[3]
+sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+q = torch.nn.functional.normalize(torch.randn(nq, lq, d, device=device), dim=-1).bfloat16()
+docs = torch.nn.functional.normalize(torch.randn(nd, ld, d, device=device), dim=-1).bfloat16()
 q.requires_grad_(training)
 docs.requires_grad_(training)
 if training:  # the model's own first step: torch loads its sum and autograd kernels
-    torch.ones(8, device="cuda", requires_grad=True).sum().backward()
-torch.cuda.synchronize()
+    torch.ones(8, device=device, requires_grad=True).sum().backward()
+sync()
 imported = time.perf_counter() - t0
 time.sleep(float(sys.argv[2]))  # the rest of a server's start-up, e.g. loading a model
 
@@ -71,14 +88,24 @@ def call():
     out = lik.maxsim(q, docs)
     if training:
         out.sum().backward()
-    torch.cuda.synchronize()
+    sync()
+    return out
 
 times = []
 for _ in range(2):
     start = time.perf_counter()
     call()
     times.append(time.perf_counter() - start)
-print(json.dumps({"import_s": imported, "first_s": times[0], "second_s": times[1]}))
+
+# Untimed, a third call: a corner of its scores against the float64 reference.
+from lik.runtime.reference import maxsim_reference
+
+nq_check, nd_check, tolerance = json.loads(sys.argv[4])
+scores = call().detach()[:nq_check, :nd_check].double()
+ref = maxsim_reference(q[:nq_check].detach().double(), docs[:nd_check].detach().double())
+rel_err = float((scores - ref).norm() / ref.norm().clamp_min(1e-300))
+print(json.dumps({"import_s": imported, "first_s": times[0], "second_s": times[1],
+                  "parity_rel_err": rel_err, "parity_ok": rel_err < tolerance, "error": None}))
 """
 
 # Warm-cache children: (mode, LIK_PREWARM, seconds of other start-up before the call).
@@ -89,14 +116,20 @@ MODES = [
 ]
 
 
-def child(dims, cache_dir: str, bytecode_dir: str, prewarm: str = "1", idle_s=0.0) -> dict:
+def child(dims, cache_dir: str, bytecode_dir: str, prewarm: str = "1", idle_s=0.0,
+          device: str = "cuda") -> dict:  # fmt: skip
     env = {**os.environ, "TRITON_CACHE_DIR": cache_dir, "LIK_PREWARM": prewarm,
            "PYTHONPYCACHEPREFIX": bytecode_dir}  # fmt: skip
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    done = subprocess.run([sys.executable, "-P", "-c", CHILD, json.dumps(dims), str(idle_s)],
+    if device == "cpu":  # the reference path, not the generated kernels interpreted
+        env.pop("TRITON_INTERPRET", None)
+    parity = json.dumps([PARITY_QUERIES, PARITY_DOCS, PARITY_TOLERANCE])
+    done = subprocess.run([sys.executable, "-P", "-c", CHILD, json.dumps(dims), str(idle_s),
+                           device, parity],
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr else "failed"}
+        error = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
+        return {"error": error, "parity_ok": None}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -106,12 +139,13 @@ def _median_ms(runs: list[dict], field: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def measure_shape(name: str, dims: list, repeats: int, bytecode: str) -> dict:
+def measure_shape(name: str, dims: list, repeats: int, bytecode: str, device: str) -> dict:
     """One shape's cells: a compiling child on an empty Triton cache, then `repeats`
     children per mode on the cache it filled."""
     with tempfile.TemporaryDirectory() as cache:
-        compile_run = child(dims, cache, bytecode)
-        runs = {mode: [child(dims, cache, bytecode, prewarm, idle) for _ in range(repeats)]
+        compile_run = child(dims, cache, bytecode, device=device)
+        runs = {mode: [child(dims, cache, bytecode, prewarm, idle, device)
+                       for _ in range(repeats)]
                 for mode, prewarm, idle in MODES}  # fmt: skip
     every_run = [r for rs in runs.values() for r in rs]
     setup_ms = _median_ms(every_run, "import_s")
@@ -130,24 +164,42 @@ def measure_shape(name: str, dims: list, repeats: int, bytecode: str) -> dict:
     return record
 
 
-def run(repeats: int) -> dict:
-    report = {"env": environment_info(), "gpu": gpu_name(), "target_ms": TARGET_MS}
+def run(repeats: int, dry_run: bool = False) -> dict:
+    timer = ("CPU wall clock, dry run" if dry_run
+             else "wall clock, synchronized (time.perf_counter)")  # fmt: skip
+    report = {"env": environment_info(), "gpu": gpu_name(), "target_ms": TARGET_MS,
+              "dry_run": dry_run, "timer": timer,
+              "parity_tolerance": PARITY_TOLERANCE}  # fmt: skip
+    device, shapes = ("cpu", DRY_RUN_SHAPES) if dry_run else ("cuda", SHAPES)
     with tempfile.TemporaryDirectory() as bytecode:  # shared by every child: the first fills it
-        report["shapes"] = [measure_shape(name, dims, repeats, bytecode)
-                            for name, *dims in SHAPES]  # fmt: skip
+        report["shapes"] = [measure_shape(name, dims, repeats, bytecode, device)
+                            for name, *dims in shapes]  # fmt: skip
     return report
+
+
+def child_runs(record: dict) -> list[dict]:
+    """Every child's result of a shape: the empty-cache one, then each mode's."""
+    return [record["empty_cache"], *(r for runs in record["warm_cache"].values() for r in runs)]
 
 
 def _under_target(ms) -> str:
     return "yes" if ms is not None and ms < TARGET_MS else "no"
 
 
+def _worst_parity(record: dict) -> str:
+    errors = [r["parity_rel_err"] for r in child_runs(record) if "parity_rel_err" in r]
+    return f"{max(errors):.1e}" if errors else "—"
+
+
 def markdown(report: dict) -> str:
     rows = []
     for r in report["shapes"]:
         empty, first = r["empty_cache"], r["first_call_ms"]
+        # Reports from before the parity check hold none: no mark.
+        failed = any(run.get("parity_ok") is False for run in child_runs(r))
         rows.append([
-            f"{r['name']} {tuple(r['dims'][:5])}" + (" train" if r["dims"][5] else ""),
+            f"{r['name']} {tuple(r['dims'][:5])}" + (" train" if r["dims"][5] else "")
+            + (" (parity FAIL)" if failed else ""),
             f"{empty['first_s']:.2f} s" if "first_s" in empty else empty.get("error", "")[:60],
             format_ms(first["right_after_setup"]),
             format_ms(first["after_2s_more_startup"]),
@@ -157,11 +209,22 @@ def markdown(report: dict) -> str:
             f"{_under_target(first['right_after_setup'])} / "
             f"{_under_target(first['after_2s_more_startup'])}",
         ])  # fmt: skip
+        if report.get("dry_run"):
+            rows[-1].append(_worst_parity(r))
     headers = ["shape", "first call, empty Triton cache",
                "warm cache: first call right after setup (ms)",
                "same, after 2 s more start-up (ms)", "same, LIK_PREWARM=0 (ms)",
                "setup (import, CUDA, inputs)", "second call (ms)",
                f"under {TARGET_MS:g} ms (right after / after 2 s)"]  # fmt: skip
+    if report.get("dry_run"):
+        headers.append("parity (worst rel err)")
+        return (f"# Cold start, dry run on the CPU\n\nTimer: {report['timer']}. Each child "
+                "imports lik, builds tiny inputs on the CPU and calls lik.maxsim, which takes "
+                "its reference path: this exercises the script (children, modes, the Triton "
+                "and bytecode caches, the report), not a cold start; shapes are named for the "
+                "ones they stand in for. Parity: a corner of each child's scores against the "
+                f"float64 reference (bound {report['parity_tolerance']:.0e}).\n\n"
+                + markdown_table(headers, rows) + "\n")  # fmt: skip
     return (f"# Cold start on {report['gpu']}\n\nFresh process per cell (median of the warm "
             "runs); times include launch and synchronization, not the setup. Importing lik "
             "starts lik.runtime.prewarm, which pays Triton's per-process start cost (importing "
@@ -180,16 +243,22 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        help=f"warm children per mode (default 3; {DRY_RUN_REPEATS} in a dry run)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="CPU, tiny shapes, lik's reference path"
+    )
     args = parser.parse_args(argv)
-    if missing_gpu("bench_cold_start"):
+    if not args.dry_run and missing_gpu("bench_cold_start"):
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = run(args.repeats)
-    stem = f"cold_start_{gpu_tag(report['gpu'])}"
-    write_json(args.out / f"{stem}.json", report)
+    repeats = args.repeats if args.repeats is not None else DRY_RUN_REPEATS if args.dry_run else 3
+    report = run(repeats, dry_run=args.dry_run)
+    stem = f"cold_start_{gpu_tag(report['gpu'])}" + ("_dry-run" if args.dry_run else "")
     text = markdown(report)
-    (args.out / f"{stem}.md").write_text(text)
+    write_results(args.out, stem, report, text)
     print(text)
     return 0
 

@@ -38,6 +38,10 @@ def _lik_results(name: str, report: dict) -> list[dict]:
     if name == "backward":  # every strategy's run of every step, each round
         return [run for shape in report["shapes"] for runs in shape["cells"].values()
                 for run in runs]  # fmt: skip
+    if name == "cold_start":  # every child: the empty-cache one, then each mode's
+        return [run for shape in report["shapes"]
+                for run in [shape["empty_cache"], *(r for runs in shape["warm_cache"].values()
+                                                    for r in runs)]]  # fmt: skip
     if name == "ragged":
         return [result for case in report["cases"].values()
                 for impl, result in case.items() if impl.startswith("lik")]  # fmt: skip
@@ -48,7 +52,8 @@ def _lik_results(name: str, report: dict) -> list[dict]:
 
 @pytest.mark.parametrize(
     "name",
-    ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants", "backward"],
+    ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants", "backward",
+     "cold_start"],
 )
 def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path):
     report, markdown = _dry_run(name, tmp_path)
