@@ -50,11 +50,17 @@ def _lik_results(name: str, report: dict) -> list[dict]:
             if impl == "lik" or impl.startswith(("lik_", "lik-"))]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants", "backward",
-     "cold_start"],
-)
+DRY_RUNS = ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants",
+            "backward", "cold_start"]  # fmt: skip
+
+
+def test_every_benchmark_with_a_dry_run_is_run_here():
+    offered = {path.stem.removeprefix("bench_") for path in BENCHMARKS.glob("bench_*.py")
+               if '"--dry-run"' in path.read_text()}  # fmt: skip
+    assert offered == set(DRY_RUNS)
+
+
+@pytest.mark.parametrize("name", DRY_RUNS)
 def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path):
     report, markdown = _dry_run(name, tmp_path)
     assert markdown.startswith("# ") and "\n| " in markdown
