@@ -34,6 +34,7 @@ from bench_train import (  # noqa: E402
     reference_gradients,
 )
 from common import (  # noqa: E402
+    DRY_RUN_TIMER,
     environment_info,
     gpu_name,
     gpu_tag,
@@ -136,7 +137,7 @@ def _steps(dry_run: bool):
 def run(rounds: int, timing: dict, autotune: bool, dry_run: bool = False) -> dict:
     from lik.runtime.api import AUTO_RULE, choose_backward
 
-    timer = ("CPU wall clock, dry run" if dry_run
+    timer = (DRY_RUN_TIMER if dry_run
              else "CUDA graph replayed, do_bench median")  # fmt: skip
     report = {"env": environment_info(), "gpu": gpu_name(), "autotune": autotune,
               "auto_rule": AUTO_RULE, "dry_run": dry_run, "timer": timer,

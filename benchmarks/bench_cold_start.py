@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    DRY_RUN_TIMER,
     environment_info,
     format_ms,
     gpu_name,
@@ -165,7 +166,7 @@ def measure_shape(name: str, dims: list, repeats: int, bytecode: str, device: st
 
 
 def run(repeats: int, dry_run: bool = False) -> dict:
-    timer = ("CPU wall clock, dry run" if dry_run
+    timer = (DRY_RUN_TIMER if dry_run
              else "wall clock, synchronized (time.perf_counter)")  # fmt: skip
     report = {"env": environment_info(), "gpu": gpu_name(), "target_ms": TARGET_MS,
               "dry_run": dry_run, "timer": timer,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from common import (
+    DRY_RUN_TIMER,
     Shape,
     attempt,
     back_to_back_ms,
@@ -524,7 +525,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         device, shapes, ceilings = "cpu", [tiny(shape) for shape in shapes], None
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-forward-"))
-        timer, timing = "CPU wall clock, dry run", {"warmup_ms": 0, "rep_ms": 0}
+        timer, timing = DRY_RUN_TIMER, {"warmup_ms": 0, "rep_ms": 0}
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device; --dry-run exercises this script on a CPU")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from common import (
+    DRY_RUN_TIMER,
     Shape,
     attempt,
     bench_ms,
@@ -420,7 +421,7 @@ def main(argv=None) -> int:
         device, ceilings = "cpu", None
         shapes = [Shape(s.name, s.nq, 64, 8, 16, s.d) for s in shapes]
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-fp8-"))
-        timer = "CPU wall clock, dry run"
+        timer = DRY_RUN_TIMER
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device; --dry-run exercises this script on a CPU")

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    DRY_RUN_TIMER,
     attempt,
     bench_ms,
     cpu_wallclock_ms,
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         device, (queries, docs) = "cpu", DRY_RUN_VARLEN
         pairs = DRY_RUN_PAIRS if args.pairs is None else args.pairs
-        timing = {"timer": "CPU wall clock, dry run"}
+        timing = {"timer": DRY_RUN_TIMER}
         timer = cpu_wallclock_ms
     else:
         if missing_gpu("bench_ragged"):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from common import (
+    DRY_RUN_TIMER,
     Shape,
     attempt,
     bench_ms,
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         device, cases, keys = "cpu", [tiny(case) for case in cases], ["lik"]
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-retrieve-"))
-        timer, timing = "CPU wall clock, dry run", {"warmup_ms": 0, "rep_ms": 0}
+        timer, timing = DRY_RUN_TIMER, {"warmup_ms": 0, "rep_ms": 0}
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device; --dry-run exercises this script on a CPU")

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    DRY_RUN_TIMER,
     attempt,
     bench_ms,
     cpu_wallclock_ms,
@@ -43,7 +44,6 @@ TOLERANCE = 2e-2  # bf16 inputs against float64
 # A dry run (CPU) exercises the script itself: both shapes shrunk to these (Nq, Nd, Lq, Ld, d),
 # lik through its reference path and eager, timed by wall clock, with no peak memory.
 DRY_RUN_DIMS = (3, 4, 5, 7, 16)
-DRY_RUN_TIMER = "CPU wall clock, dry run"
 
 
 def lik_scores(score: str, params: dict):
@@ -147,7 +147,8 @@ def run(args) -> dict:
     timing = TIMING["quick" if args.quick else "full"]
     device = "cpu" if args.dry_run else "cuda"
     timer = {"timer": DRY_RUN_TIMER} if args.dry_run else {"timer": "triton do_bench", **timing}
-    report = {"env": environment_info(), "gpu": gpu_name(), "timing": timer, "shapes": []}
+    report = {"env": environment_info(), "gpu": gpu_name(), "dry_run": args.dry_run,
+              "timing": timer, "shapes": []}  # fmt: skip
     for name, *dims in SHAPES:
         nq, nd, lq, ld, dim = DRY_RUN_DIMS if args.dry_run else dims
         q = normalized_tokens(nq, lq, dim, device=device, seed=21).requires_grad_()
@@ -195,7 +196,7 @@ def markdown(report: dict) -> str:
                      cell(lik, "train"), cell(eager, "train"),
                      format_ratio(_ratio(eager.get("train_ms"), lik.get("train_ms"))),
                      parity])  # fmt: skip
-    dry_run = report.get("timing", {}).get("timer") == DRY_RUN_TIMER
+    dry_run = report.get("dry_run", False)
     note = ("Dry run: CPU wall clock, tiny shapes, lik's reference path; no peak memory on "
             "the CPU (—). Not a measurement.\n\n") if dry_run else ""  # fmt: skip
     return (f"# Token-score variants vs materialized PyTorch on {report['gpu']}\n\n" + note

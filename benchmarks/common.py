@@ -185,6 +185,10 @@ def graph_ms(fn: Callable[[], object], *, calls: int, warmup_ms: int, rep_ms: in
     return bench_ms(replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / calls
 
 
+# How every benchmark's --dry-run report names its timer (cpu_wallclock_ms).
+DRY_RUN_TIMER = "CPU wall clock, dry run"
+
+
 def cpu_wallclock_ms(fn: Callable[[], object], *, repeats: int = 5) -> float:
     """Median wall-clock milliseconds; only for exercising the plumbing without a GPU."""
     fn()

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_bf16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "bf16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8d4e5d9184bcfc6a2cdf7f98abff537788ecafff17b0ba3e4cfe8a39a0700a76
+# body-sha256: 6b4edba97cffd2fc91f84bf1aad5a094a6f627ecb9f31170d38154beddaa06d7
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_bf16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -169,7 +169,7 @@ def _load_doc_tile(
     flat_bucket = tl.reshape(bucket, [offs_t.shape[0] * offs_k.shape[0]])
     weight = tl.reshape(tl.gather(table, flat_bucket, 0), [offs_t.shape[0], offs_k.shape[0]])
     # Bad codes to NaN in a select of their own: through the centroid load's fill, as
-    # nbits 2 does, these gathers ran 3-6% slower (same A/B).
+    # nbits 2 does, the per-dim weight loads of the time ran 3-6% slower (same A/B).
     value = tl.where(
         code_ok[:, None], centroid.to(tl.float32) + weight.to(tl.float32), float("nan")
     )
