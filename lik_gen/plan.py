@@ -173,10 +173,6 @@ class RenderContext:
     # score hook, whose tile updates take [query rows, doc tokens] (__post_init__).
     doc_token_rows: bool = False
     nbits: int = 0
-    # Residual variants: the kernel takes bucket_weights in bit-reversed bucket order (the
-    # runtime reorders them; the module says so in BUCKET_WEIGHTS_BIT_REVERSED), so each
-    # dim's packed bits, as numpy.packbits wrote them, index the table directly.
-    bit_reversed_weights: bool = False
     # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
     # Ld, chosen per call) and then masks no doc token.
     even_tiles: bool = False

@@ -102,10 +102,8 @@ def plan_residual(variant: Variant) -> RenderContext:
     if variant.decompression is not Decompression.RESIDUAL4:
         tile_params += ("EVEN_K",)
     # nbits 2 loads each tile's centroid ids a tile ahead and scores its decoded tiles as
-    # the left MMA operand; nbits 8 looks its bytes up in a bit-reversed weight table
-    # (residual.py.j2 says why).
+    # the left MMA operand (residual.py.j2 says why).
     nbits2 = variant.decompression is Decompression.RESIDUAL2
-    nbits8 = variant.decompression is Decompression.RESIDUAL8
     ahead = ("Codes", "code_base", "stride_ct") if nbits2 else ()
     return dataclasses.replace(
         base,
@@ -123,7 +121,6 @@ def plan_residual(variant: Variant) -> RenderContext:
         doc_lengths=dense,
         doc_tile_ahead=ahead,
         doc_token_rows=nbits2,
-        bit_reversed_weights=nbits8,
         even_tiles=False,  # a doc ends at its own length
         nbits=RESIDUAL_BITS[variant.decompression],
     )  # fmt: skip

@@ -28,8 +28,6 @@ truncated or wrong finite score. Shapes, dtypes and devices are checked up front
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from lik.runtime import dispatch, ragged, registry
@@ -173,55 +171,6 @@ def _residual_words(residuals: torch.Tensor) -> torch.Tensor:
         return residuals
 
 
-def _bit_reversed(weights: torch.Tensor, nbits: int) -> torch.Tensor:
-    """weights [2**nbits] reordered so that entry i is the weight of bucket i with its nbits
-    bits reversed: the table's nbits binary axes in reverse order (one copy on the device,
-    no index tensor, so a CUDA graph can capture it)."""
-    return weights.reshape([2] * nbits).permute(*range(nbits - 1, -1, -1)).reshape(-1)
-
-
-# Per weight table, its bit-reversed copies while the table lives and is not written in
-# place (its version counter then moves): an index's codebook is reordered once, not per
-# call. One copy per CUDA stream, since a copy is only ready in order on the stream that
-# made it. Reordered per call: inference tensors (they keep no version counter) and calls
-# under CUDA graph capture (a captured copy is only written when the graph replays, so the
-# graph holds its own reordering).
-_REVERSED_WEIGHTS: dict[int, tuple[weakref.ref, int, dict]] = {}
-
-
-def _bit_reversed_weights(weights: torch.Tensor, nbits: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(weights.device).cuda_stream if weights.is_cuda else None
-    capturing = weights.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = id(weights)
-    copies = None
-    if not weights.is_inference() and not capturing:
-        entry = _REVERSED_WEIGHTS.get(key)
-        if entry is None or entry[0]() is not weights or entry[1] != weights._version:
-
-            def forget(_, key=key):
-                _REVERSED_WEIGHTS.pop(key, None)
-
-            entry = (weakref.ref(weights, forget), weights._version, {})
-            _REVERSED_WEIGHTS[key] = entry
-        copies = entry[2]
-        if stream in copies:
-            return copies[stream]
-    with torch.no_grad():
-        table = _bit_reversed(weights, nbits)
-    if copies is not None:
-        copies[stream] = table
-    return table
-
-
-def _kernel_weights(name: str, weights: torch.Tensor, nbits: int) -> torch.Tensor:
-    """bucket_weights as variant name's forward takes them: bit-reversed where its module
-    says so (BUCKET_WEIGHTS_BIT_REVERSED, nbits 8: the kernel then indexes them with the
-    packed bits as they stand), else as given."""
-    if registry.load(name).BUCKET_WEIGHTS_BIT_REVERSED:
-        return _bit_reversed_weights(weights, nbits)
-    return weights
-
-
 def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
     return variant_name(layout, False, False, True, centroids.dtype) + f"_res{nbits}"
 
@@ -241,9 +190,8 @@ def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, 
         return out
     # Lq == 0 still launches once (launch_in_query_chunks): bad lengths must still poison.
     name = _variant("dense", centroids, nbits)
-    weights = _kernel_weights(name, bucket_weights, nbits)
     shared = {"codes": codes, "residuals": _residual_words(residuals), "centroids": centroids,
-              "bucket_weights": weights, "doc_lengths": doc_lengths}  # fmt: skip
+              "bucket_weights": bucket_weights, "doc_lengths": doc_lengths}  # fmt: skip
     return dispatch.launch_in_query_chunks(
         name, out, Q, {}, shared,
         docs=codes.shape[0], doc_tokens=codes.shape[1],
@@ -402,7 +350,6 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
     name = _variant("varlen", centroids, nbits)
     module = registry.load(name)
     residuals = _residual_words(residuals)  # once for every query chunk
-    weights = _kernel_weights(name, bucket_weights, nbits)
     for start, stop in _query_chunks(Lq):
         lq = stop - start
         # The varlen kernel reads packed queries: a padded [Nq, lq, d] batch is Nq
@@ -420,7 +367,7 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
             codes,
             residuals,
             centroids,
-            weights,
+            bucket_weights,
             cu_q,
             cu_d,
             max_seqlen_q=lq,

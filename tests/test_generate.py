@@ -265,23 +265,18 @@ def test_residual_nbits2_loads_centroid_ids_a_tile_ahead():
         assert "_doc_tile_ahead" not in (ROOT / "generated" / "triton" / f"{name}.py").read_text()
 
 
-def test_residual_nbits8_indexes_a_bit_reversed_weight_table():
-    """nbits 8 residual variants read each dim's packed bits as they stand and index the
-    weight table with them, which their module declares bit-reversed (the runtime reorders
-    it); nbits 2 and 4 take the table as given."""
+def test_residual_kernels_read_packed_bits_as_they_stand():
+    """No residual kernel reverses the packed bits: nbits 4 and 8 read each dim's field of
+    bits (its bucket id, bit-reversed) and load their weight table in that order; nbits 2
+    tests its two bits where packbits put them."""
     for nbits in (2, 4, 8):
         for layout in ("dense", "varlen"):
-            name = f"maxsim_{layout}_nomask_fp16_triton_norm_res{nbits}"
-            reversed_table = nbits == 8
-            assert plan(Variant.parse(name)).bit_reversed_weights == reversed_table
-            text = (ROOT / "generated" / "triton" / f"{name}.py").read_text()
-            assert f"BUCKET_WEIGHTS_BIT_REVERSED = {reversed_table}" in text
-            reverse_words = "RESIDUAL_WORDS,\n        True,\n    )" in text
-            assert reverse_words == (nbits == 4)
-            assert ("field_shift" in text) == reversed_table
-    assert "BUCKET_WEIGHTS_BIT_REVERSED" not in (
-        ROOT / "generated" / "triton" / "maxsim_dense_nomask_bf16_triton.py"
-    ).read_text()
+            text = (ROOT / "generated" / "triton" /
+                    f"maxsim_{layout}_nomask_fp16_triton_norm_res{nbits}.py").read_text()
+            assert ("field_shift" in text) == (nbits != 2)
+            assert (f"_reversed_bits(slot, {nbits})" in text) == (nbits != 2)
+            assert ("bit1 = " in text) == (nbits == 2)
+            assert "_reverse_byte_bits" not in text
 
 
 def test_residual_nbits2_scores_doc_tokens_as_the_rows_of_every_tile():

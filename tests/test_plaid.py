@@ -9,7 +9,6 @@ per dim, then numpy.packbits), independently of lik's reference and kernel decod
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +156,6 @@ def test_variant_matches_reference(name, storage):
                                     weights.double(), nbits)  # fmt: skip
     out = poisoned((Nq, B), DEVICE)
     Qd, c, w = _to(DEVICE, Q, centroids, weights)
-    w = plaid._kernel_weights(name, w, nbits)  # in the order the kernel reads them
     module, config = _config(name, Qd)
     if variant.layout.value == "dense":
         module.launch(out, Qd, *_to(DEVICE, codes, stored), c, w, lengths.to(DEVICE),
@@ -291,38 +289,6 @@ def test_misaligned_residuals_score_like_aligned_ones(nbits):
         assert (plaid._residual_words(stored) is stored) == (stored is shifted)
         out = plaid.maxsim_residual(Qd, c, stored, lens, cent, w, nbits)
         assert relative_error(out, ref) < _bound(torch.float16)
-
-
-def test_bit_reversed_tables():
-    for nbits, head in ((2, [0, 2, 1, 3]), (4, [0, 8, 4, 12, 2, 10]), (8, [0, 128, 64, 192])):
-        table = plaid._bit_reversed(torch.arange(1 << nbits), nbits)
-        assert table.tolist()[: len(head)] == head
-        assert torch.equal(plaid._bit_reversed(table, nbits), torch.arange(1 << nbits))
-    assert int(plaid._bit_reversed(torch.arange(256), 8)[0b00000110]) == 0b01100000
-    strided = torch.arange(512.0)[::2]  # a view with stride 2 reorders like a copy of it
-    assert torch.equal(plaid._bit_reversed(strided, 8), plaid._bit_reversed(strided.clone(), 8))
-
-
-def test_bit_reversed_weights_are_reordered_once_per_table_version():
-    """nbits 8 kernels take the weight table bit-reversed: reordered once per table, again
-    after an in-place write, forgotten with the table; inference tensors (no version
-    counter) are reordered per call."""
-    weights = torch.randn(256, device=DEVICE)
-    first = plaid._bit_reversed_weights(weights, 8)
-    assert torch.equal(first, plaid._bit_reversed(weights, 8))
-    assert plaid._bit_reversed_weights(weights, 8) is first
-    weights.mul_(2)
-    second = plaid._bit_reversed_weights(weights, 8)
-    assert second is not first and torch.equal(second, 2 * first)
-    key = id(weights)
-    del weights
-    gc.collect()
-    assert key not in plaid._REVERSED_WEIGHTS
-    with torch.inference_mode():
-        frozen = torch.randn(256, device=DEVICE)
-        once = plaid._bit_reversed_weights(frozen, 8)
-        assert plaid._bit_reversed_weights(frozen, 8) is not once
-        assert id(frozen) not in plaid._REVERSED_WEIGHTS
 
 
 @needs_kernels
@@ -628,34 +594,6 @@ def test_gpu_colbert_rerank_parity(name):
                                            max_seqlen_d=Ld)  # fmt: skip
     bound = 1e-3 if dtype == torch.float32 else TOLERANCE[dtype]
     assert relative_error(out, ref) < bound, name
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bit_reversed_weights_per_stream_and_per_graph():
-    """A reordered weight table is only ready in order on the stream that made it, and a
-    captured one only once its graph replays: each stream keeps its own copy, and a capture
-    reorders inside its graph and caches nothing."""
-    weights = torch.randn(256, device="cuda")
-    mine = plaid._bit_reversed_weights(weights, 8)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        theirs = plaid._bit_reversed_weights(weights, 8)
-        assert plaid._bit_reversed_weights(weights, 8) is theirs
-    torch.cuda.current_stream().wait_stream(side)
-    assert theirs is not mine and torch.equal(theirs, mine)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = plaid._bit_reversed_weights(weights, 8)
-    weights.add_(1)  # the graph reads the table as it is when it replays
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, plaid._bit_reversed(weights, 8))
-    fresh = plaid._bit_reversed_weights(weights, 8)  # the write dropped both copies
-    assert fresh is not mine and torch.equal(fresh, captured)
-    stream = torch.cuda.current_stream().cuda_stream
-    assert list(plaid._REVERSED_WEIGHTS[id(weights)][2]) == [stream]
 
 
 @pytest.mark.gpu

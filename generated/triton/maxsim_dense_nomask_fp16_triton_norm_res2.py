@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res2
 # spec: {"backward": "none", "decompression": "residual2", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 58488fa43f1260de316a259c664facba164963557f7c1fec1d0187d08b3177e7
+# body-sha256: 21661cb23994fa3275babb998f45f2bc96c38b86a94c449eba8cd1d9edb53923
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,9 +23,6 @@ SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
-# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
-# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
-BUCKET_WEIGHTS_BIT_REVERSED = False
 
 
 @triton.jit
@@ -41,15 +38,6 @@ def _inv_l2_norm(x):
 
 
 @triton.jit
-def _reverse_byte_bits(word):
-    """Each byte of each uint32 element with its bits in reverse order (bit 0 <-> bit 7).
-    Masks under 2**31 and logical shifts: the same code for a byte or a word of four."""
-    word = ((word >> 4) & 0x0F0F0F0F) | ((word & 0x0F0F0F0F) << 4)
-    word = ((word >> 2) & 0x33333333) | ((word & 0x33333333) << 2)
-    return ((word >> 1) & 0x55555555) | ((word & 0x55555555) << 1)
-
-
-@triton.jit
 def _residual_units(
     Residuals,
     residual_base,
@@ -61,14 +49,12 @@ def _residual_units(
     stride_rt,
     stride_rp,
     RESIDUAL_WORDS: tl.constexpr,
-    REVERSE_BITS: tl.constexpr,
 ):
     """Per token and dim, the packed unit that holds the dim's bucket bits: its int32 word
     (RESIDUAL_WORDS) or its byte, as uint32 [BLOCK_L, BLOCK_K]; and per dim, flat [BLOCK_K],
-    the offset of the dim's first flat bit k * nbits within its unit. REVERSE_BITS: each
-    byte's bits reversed first, so that bucket bit i is unit bit flat + i; else it is bit
-    (flat + i) ^ 7, where numpy.packbits put it. Where not valid (past the doc or past dim)
-    the units are unspecified, and the caller masks them."""
+    the offset of the dim's first flat bit k * nbits within its unit. Bucket bit i is unit
+    bit (flat + i) ^ 7, where numpy.packbits put it. Where not valid (past the doc or past
+    dim) the units are unspecified, and the caller masks them."""
     if RESIDUAL_WORDS:
         # Residuals is the int32 word view of the packed bytes: one vector load of a few
         # words per token, then every dim's bits taken from its word in registers
@@ -81,8 +67,6 @@ def _residual_units(
             mask=in_doc[:, None] & (offs_w[None, :] * PER_WORD < dim),
             other=0,
         ).to(tl.uint32, bitcast=True)
-        if REVERSE_BITS:  # once per word, before each dim gets its copy
-            words = _reverse_byte_bits(words)
         units = tl.reshape(
             tl.broadcast_to(words[:, :, None], [offs_t.shape[0], offs_w.shape[0], PER_WORD]),
             [offs_t.shape[0], offs_k.shape[0]],
@@ -98,8 +82,6 @@ def _residual_units(
             mask=valid,
             other=0,
         ).to(tl.uint32)
-        if REVERSE_BITS:
-            units = _reverse_byte_bits(units)
         flat = (offs_k * 2) % 8
     return units, flat
 
@@ -168,7 +150,6 @@ def _load_doc_tile(
         stride_rt,
         stride_rp,
         RESIDUAL_WORDS,
-        False,
     )
     bit0 = (units & (1 << (flat ^ 7))[None, :]) != 0
     bit1 = (units & (1 << ((flat + 1) ^ 7))[None, :]) != 0

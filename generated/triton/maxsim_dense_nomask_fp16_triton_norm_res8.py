@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: a57de5758cc05141c417efb5d8c83c04a8efe270ebb142e39ea58e4af3fec099
+# body-sha256: cb59c1d6bd06b995366de349c0dc44507a2ae967a55e4b85c3f80cffd2e2a684
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp16_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,9 +23,6 @@ SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
 COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
-# True: the forward takes bucket_weights in bit-reversed order, entry i the weight of the
-# bucket whose id is i with its nbits bits reversed (lik.runtime.plaid reorders them).
-BUCKET_WEIGHTS_BIT_REVERSED = True
 
 
 @triton.jit
@@ -41,15 +38,6 @@ def _inv_l2_norm(x):
 
 
 @triton.jit
-def _reverse_byte_bits(word):
-    """Each byte of each uint32 element with its bits in reverse order (bit 0 <-> bit 7).
-    Masks under 2**31 and logical shifts: the same code for a byte or a word of four."""
-    word = ((word >> 4) & 0x0F0F0F0F) | ((word & 0x0F0F0F0F) << 4)
-    word = ((word >> 2) & 0x33333333) | ((word & 0x33333333) << 2)
-    return ((word >> 1) & 0x55555555) | ((word & 0x55555555) << 1)
-
-
-@triton.jit
 def _residual_units(
     Residuals,
     residual_base,
@@ -61,14 +49,12 @@ def _residual_units(
     stride_rt,
     stride_rp,
     RESIDUAL_WORDS: tl.constexpr,
-    REVERSE_BITS: tl.constexpr,
 ):
     """Per token and dim, the packed unit that holds the dim's bucket bits: its int32 word
     (RESIDUAL_WORDS) or its byte, as uint32 [BLOCK_L, BLOCK_K]; and per dim, flat [BLOCK_K],
-    the offset of the dim's first flat bit k * nbits within its unit. REVERSE_BITS: each
-    byte's bits reversed first, so that bucket bit i is unit bit flat + i; else it is bit
-    (flat + i) ^ 7, where numpy.packbits put it. Where not valid (past the doc or past dim)
-    the units are unspecified, and the caller masks them."""
+    the offset of the dim's first flat bit k * nbits within its unit. Bucket bit i is unit
+    bit (flat + i) ^ 7, where numpy.packbits put it. Where not valid (past the doc or past
+    dim) the units are unspecified, and the caller masks them."""
     if RESIDUAL_WORDS:
         # Residuals is the int32 word view of the packed bytes: one vector load of a few
         # words per token, then every dim's bits taken from its word in registers
@@ -81,8 +67,6 @@ def _residual_units(
             mask=in_doc[:, None] & (offs_w[None, :] * PER_WORD < dim),
             other=0,
         ).to(tl.uint32, bitcast=True)
-        if REVERSE_BITS:  # once per word, before each dim gets its copy
-            words = _reverse_byte_bits(words)
         units = tl.reshape(
             tl.broadcast_to(words[:, :, None], [offs_t.shape[0], offs_w.shape[0], PER_WORD]),
             [offs_t.shape[0], offs_k.shape[0]],
@@ -98,10 +82,18 @@ def _residual_units(
             mask=valid,
             other=0,
         ).to(tl.uint32)
-        if REVERSE_BITS:
-            units = _reverse_byte_bits(units)
         flat = (offs_k * 8) % 8
     return units, flat
+
+
+@triton.jit
+def _reversed_bits(value, NBITS: tl.constexpr):
+    """The low NBITS bits of each int32 value in reverse order (a bucket id as its field of
+    packed bits reads)."""
+    reversed_value = tl.zeros_like(value)
+    for bit in tl.static_range(NBITS):
+        reversed_value |= ((value >> bit) & 1) << (NBITS - 1 - bit)
+    return reversed_value
 
 
 @triton.jit
@@ -153,11 +145,10 @@ def _load_doc_tile(
         stride_rt,
         stride_rp,
         RESIDUAL_WORDS,
-        False,
     )
-    # Unreversed, dim k's bucket bits are the field of bits 8 - nbits - f .. 7 - f of its
-    # byte (f = flat % 8), its lowest bucket bit on top: the field reads as the bucket id
-    # with its bits reversed, which indexes the bit-reversed table as it stands.
+    # Dim k's bucket bits are the field of bits 8 - nbits - f .. 7 - f of its byte (f = flat
+    # % 8), its lowest bucket bit on top: the field reads as the bucket id with its bits
+    # reversed, which indexes the table below, loaded in bit-reversed bucket order.
     field_shift = (flat // 8) * 8 + (8 - 8) - flat % 8
     bucket = ((units >> field_shift[None, :]) & ((1 << 8) - 1)).to(tl.int32)
     # The 16 or 256 weights held in registers, each dim's bucket picking its own (tl.gather,
@@ -165,7 +156,8 @@ def _load_doc_tile(
     # 0.179 -> 0.159 ms nbits 4 and 0.189 -> 0.178 nbits 8, dense; 5-6% at 1000 docs
     # (benchmarks/results/plaid_weight_gather_H200.md). A select tree over 16 lost to the
     # global load.
-    table = tl.load(BucketWeights + tl.arange(0, 256) * stride_wb)
+    slot = tl.arange(0, 256)
+    table = tl.load(BucketWeights + _reversed_bits(slot, 8) * stride_wb)
     flat_bucket = tl.reshape(bucket, [offs_t.shape[0] * offs_k.shape[0]])
     weight = tl.reshape(tl.gather(table, flat_bucket, 0), [offs_t.shape[0], offs_k.shape[0]])
     # Bad codes to NaN in a select of their own: through the centroid load's fill, as
