@@ -7,22 +7,22 @@ in one run on one card.
     python3 benchmarks/bench_plaid.py --out DIR --sweep --write-table   # retune PLAID keys
     python3 benchmarks/bench_plaid.py --out DIR --sweep --write-table --card   # this card's own
 
-One query (Lq 32, d 128) against 1000 and 4096 candidate docs of 64-300 tokens, nbits 2
-and 4, fp16 centroids (65536 of them, as an index of a few million passages has), int32
-codes. Both layouts: the index's packed tokens with cu_seqlens_d (varlen) and a padded
-[B, max Ld] batch with doc_lengths (dense). Each result is checked against the float64
-reference on the first docs before it is timed; a peer that reads another bit order shows
-a large parity error (its timing still stands). Floor: the bytes a rerank must read
-(codes + packed residuals + one centroid row per token, + Q and the scores) at the
-measured copy bandwidth; "% floor" = floor / time. Beside do_bench's median: the GPU time
-alone (each input set's call in one CUDA graph, replayed) and a tight loop's rate, which
-show when a small rerank is paced by its host work rather than by its kernel.
+One query (Lq 32, d 128) against 1000 and 4096 candidate docs of 64-300 tokens, nbits 2,
+4 and 8 (--nbits picks some), fp16 centroids (65536 of them, as an index of a few
+million passages has), int32 codes. Both layouts: the index's packed tokens with
+cu_seqlens_d (varlen) and a padded [B, max Ld] batch with doc_lengths (dense). Each
+result is checked against the float64 reference on the first docs before it is timed; a
+peer that reads another bit order shows a large parity error (its timing still stands).
+Floor: the bytes a rerank must read (codes + packed residuals + one centroid row per
+token, + Q and the scores) at the measured copy bandwidth; "% floor" = floor / time.
+Beside do_bench's median: the GPU time alone (each input set's call in one CUDA graph,
+replayed) and a tight loop's rate, which show when a small rerank is paced by its host
+work rather than by its kernel.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -52,7 +52,7 @@ TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, 
 LQ, DIM, N_CENTROIDS = 32, 128, 65536
 DOC_TOKENS = (64, 300)
 CANDIDATES = (1000, 4096)
-NBITS = (2, 4)
+NBITS = (2, 4, 8)
 PARITY_DOCS = 48
 # Input sets cycled through per timed call so that codes and residuals come from HBM,
 # not from L2 left warm by the previous call (the centroid table is shared, as in a real
@@ -182,7 +182,7 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
     against the default config's) and reports the fastest per layout as a tuning-table
     line (runtime/tuning/<family>.toml)."""
     from lik.runtime import dispatch, plaid, registry
-    from lik.runtime.keys import KernelKey, gpu_family, lq_bucket, padded_head_dim, size_class
+    from lik.runtime.keys import gpu_family
 
     centroids, weights = codebook(nbits, "cuda", N_CENTROIDS, args.dim)
     flat, padded, _ = make_index(n_docs, nbits, "cuda", 1, N_CENTROIDS, args.dim)
@@ -190,20 +190,18 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
     cu_q = torch.tensor([0, LQ], dtype=torch.int32, device="cuda")
     # The residuals as calls pass them (their int32 word view where torch can make it).
     dense_res, flat_res = plaid._residual_words(padded[1]), plaid._residual_words(flat[1])
-    launches = {  # w: the weights in the order the layout's kernel reads them
-        "dense": lambda m, out, c, w: m.launch(out, Q, padded[0], dense_res, centroids, w,
-                                               padded[2], config=c),
-        "varlen": lambda m, out, c, w: m.launch(out, Q[0], flat[0], flat_res, centroids, w,
-                                                cu_q, flat[2], max_seqlen_q=LQ, config=c),
+    launches = {
+        "dense": lambda m, out, c: m.launch(out, Q, padded[0], dense_res, centroids, weights,
+                                            padded[2], config=c),
+        "varlen": lambda m, out, c: m.launch(out, Q[0], flat[0], flat_res, centroids, weights,
+                                             cu_q, flat[2], max_seqlen_q=LQ, config=c),
     }  # fmt: skip
     found = {}
-    for layout, launch_with in launches.items():
+    for layout, launch in launches.items():
         name = plaid._variant(layout, centroids, nbits)
         module = registry.load(name)
-        launch = functools.partial(launch_with, w=plaid._kernel_weights(name, weights, nbits))
         default = dispatch._config(name, module, Q, LQ, n_docs)
-        key = KernelKey(name, gpu_family(Q.device), padded_head_dim(args.dim), lq_bucket(LQ),
-                        size_class(n_docs), 1)  # fmt: skip
+        key = table_key(name, n_docs, args.dim, gpu_family(Q.device))
         found[layout] = _sweep_layout(module, launch, default, n_docs, args.dim, args.quick,
                                       shape=f"plaid-{n_docs}-nbits{nbits}")  # fmt: skip
         found[layout]["table_key"] = key.table_key()
@@ -211,6 +209,14 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
             print(f'  {layout:6s} default {format_ms(found[layout]["default_ms"])} ms; best '
                   f'{found[layout]["best"][0]:.3f} ms: {key.table_key()}', flush=True)
     return found
+
+
+def table_key(name: str, n_docs: int, dim: int, family: str):
+    """The tuning key a rerank of n_docs docs by one LQ-token query looks up (dispatch's
+    call key: one query row, n_docs programs), for variant name on a GPU family."""
+    from lik.runtime.keys import KernelKey, lq_bucket, padded_head_dim, size_class
+
+    return KernelKey(name, family, padded_head_dim(dim), lq_bucket(LQ), size_class(n_docs), 1)
 
 
 def table_entries(sweeps: dict, card: str) -> dict[str, dict]:
@@ -308,6 +314,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--nbits", type=lambda text: tuple(int(n) for n in text.split(",")),
+                        default=NBITS, metavar="N[,N...]",
+                        help=f"residual widths to run (default {','.join(map(str, NBITS))})")
     parser.add_argument("--sweep", action="store_true",
                         help="also time lik's kernels under each launch config of SWEEP")
     parser.add_argument("--write-table", type=Path, nargs="?", const=TUNING_DIR, default=None,
@@ -335,7 +344,7 @@ def main(argv=None) -> int:
               "dim": args.dim, "copy_tbps": copy_tbps, "cases": {}}  # fmt: skip
     series: dict[str, list] = {"vs LIK 0.4.5 varlen": [], "vs LIK 0.4.5 dense": []}
     for n_docs in candidates:
-        for nbits in NBITS:
+        for nbits in args.nbits:
             case = f"{n_docs} docs, nbits {nbits}"
             print(f"[{case}]", flush=True)
             result = run_case(n_docs, nbits, args, timing, copy_tbps)

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from lik.runtime import dispatch, registry, tune
 from lik.runtime.tuning import LaunchConfig, load_table
 
 CPU = torch.device("cpu")  # plans splits as on an H100
+# Where calls launch kernels: the interpreter on a CPU machine, CUDA on a GPU one (where CPU
+# tensors take the reference path and look no config up).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def streamed(config, *args, **kwargs):
@@ -28,6 +35,25 @@ def test_benchmark_shapes_resolve_to_hopper_entries(shape):
         entry = load_table("hopper").get(key.table_key())
         assert entry is not None, f"{key.table_key()} has no entry: run make tune on a Hopper GPU"
         assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
+
+
+@pytest.mark.parametrize("nbits", (2, 4, 8))
+def test_plaid_benchmark_cases_resolve_to_hopper_entries(nbits):
+    """Every bench_plaid case (both layouts, fp16 centroids) has a committed Hopper entry,
+    the key its call builds (dispatch._call_key) as the sweep that wrote it built it."""
+    bench_plaid = pytest.importorskip("bench_plaid")
+    from lik.runtime import plaid
+    from lik.runtime.keys import KernelKey, lq_bucket, padded_head_dim, query_bucket, size_class
+
+    assert nbits in bench_plaid.NBITS
+    for n_docs in bench_plaid.CANDIDATES:
+        for layout in ("dense", "varlen"):
+            name = plaid._variant(layout, torch.empty(0, dtype=torch.float16), nbits)
+            call = KernelKey(name, "hopper", padded_head_dim(bench_plaid.DIM),
+                             lq_bucket(bench_plaid.LQ), size_class(n_docs), query_bucket(1))
+            assert bench_plaid.table_key(name, n_docs, bench_plaid.DIM, "hopper") == call
+            entry = load_table("hopper").get(call.table_key())
+            assert entry is not None, f"{call.table_key()} has no entry: bench_plaid --sweep"
 
 
 def test_small_reranks_tune_their_docs_once_loads_under_their_own_key():
@@ -77,8 +103,8 @@ def test_a_docs_once_call_takes_the_tile_of_its_once_key(monkeypatch):
         return config
 
     monkeypatch.setattr(dispatch, "config_for", recording_config_for)
-    Q = torch.randn(1, 5, 16)
-    D = torch.randn(3, 40, 16)
+    Q = torch.randn(1, 5, 16, device=DEVICE)
+    D = torch.randn(3, 40, 16, device=DEVICE)
     out = maxsim(Q, D)
     assert asked == ["fwd", "once"]
     (config,) = dispatch._call_configs.values()
@@ -210,7 +236,7 @@ def test_a_call_keys_its_config_by_the_gpu_it_runs_on(monkeypatch):
         return tuning.config_for(key, smem_bytes, entry)
 
     monkeypatch.setattr(dispatch, "config_for", recording_config_for)
-    maxsim(torch.randn(2, 5, 16), torch.randn(3, 20, 16))
+    maxsim(torch.randn(2, 5, 16, device=DEVICE), torch.randn(3, 20, 16, device=DEVICE))
     assert cards and set(cards) == {"a card"}
 
 
@@ -237,8 +263,8 @@ def test_backward_kernels_take_their_own_tuning_key(monkeypatch):
         return tuning.config_for(key, smem_bytes, entry)
 
     monkeypatch.setattr(dispatch, "config_for", recording_config_for)
-    Q = torch.randn(3, 5, 16, requires_grad=True)
-    D = torch.randn(4, 7, 16, requires_grad=True)
+    Q = torch.randn(3, 5, 16, device=DEVICE, requires_grad=True)
+    D = torch.randn(4, 7, 16, device=DEVICE, requires_grad=True)
     maxsim(Q, D, backward="lowmem").sum().backward()
     assert [(key.variant, key.kernel) for key in asked] == [
         ("maxsim_dense_nomask_fp32_triton_lowmem", "fwd"),
