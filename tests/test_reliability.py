@@ -413,6 +413,9 @@ class _IndexWidths:
         if isinstance(e, ast.Subscript):
             return self.is_small(e.value)
         if isinstance(e, ast.Call):
+            # _reversed_bits(value, NBITS) reorders the low NBITS bits of a small value.
+            if ast.unparse(e.func) == "_reversed_bits":
+                return self.is_small(e.args[0])
             return ast.unparse(e.func) == "tl.arange"
         return False
 
