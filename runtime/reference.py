@@ -24,8 +24,8 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def _token_max(sim: torch.Tensor, d_mask: torch.Tensor | None) -> torch.Tensor:
     """max over the last axis (doc tokens) of sim, 0 where no doc token is valid."""
-    if sim.shape[-1] == 0:
-        return sim.new_zeros(sim.shape[:-1])
+    if sim.shape[-1] == 0:  # a sum over no tokens: zeros that keep sim's graph
+        return sim.sum(dim=-1)
     if d_mask is not None:
         sim = sim.masked_fill(~d_mask, float("-inf"))
     best = sim.amax(dim=-1)
@@ -33,6 +33,15 @@ def _token_max(sim: torch.Tensor, d_mask: torch.Tensor | None) -> torch.Tensor:
         return best
     # Fully masked doc: -inf -> 0, with zero gradient (where, not arithmetic).
     return torch.where(torch.isneginf(best), torch.zeros_like(best), best)
+
+
+def _empty_scores(shape, *inputs: torch.Tensor) -> torch.Tensor:
+    """Scores of an empty batch (shape holds a 0) that still depend on inputs: a backward
+    through them yields zero gradients instead of failing for want of a graph."""
+    out = inputs[0].new_zeros(shape)
+    for tensor in inputs:
+        out = out + tensor.sum() * 0
+    return out
 
 
 def _sum_query_tokens(best: torch.Tensor, q_mask: torch.Tensor | None) -> torch.Tensor:
@@ -97,7 +106,7 @@ def maxsim_pairs_reference(
         dm = None if d_mask is None else d_mask[start:stop, None, :]
         qm = None if q_mask is None else q_mask[start:stop]
         parts.append(_sum_query_tokens(_token_max(sim, dm), qm))
-    return torch.cat(parts) if parts else Q.new_zeros(0)
+    return torch.cat(parts) if parts else _empty_scores((0,), Q, D)
 
 
 def maxsim_from_hidden_reference(
@@ -133,9 +142,7 @@ def _dense(Q, D, q_mask, d_mask, normalize):
         dm = None if d_mask is None else d_mask[None, start:stop, None, :]
         qm = None if q_mask is None else q_mask[:, None, :]
         parts.append(_sum_query_tokens(_token_max(sim, dm), qm))
-    if not parts:
-        return Q.new_zeros(Nq, 0)
-    return torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=1) if parts else _empty_scores((Nq, 0), Q, D)
 
 
 def _kd(Q, D, q_mask, d_mask, normalize):
@@ -149,9 +156,7 @@ def _kd(Q, D, q_mask, d_mask, normalize):
         dm = None if d_mask is None else d_mask[start:stop, :, None, :]
         qm = None if q_mask is None else q_mask[start:stop, None, :]
         parts.append(_sum_query_tokens(_token_max(sim, dm), qm))
-    if not parts:
-        return Q.new_zeros(0, K)
-    return torch.cat(parts, dim=0)
+    return torch.cat(parts, dim=0) if parts else _empty_scores((0, K), Q, D)
 
 
 def score_pairs_packed_reference(
@@ -178,7 +183,7 @@ def score_pairs_packed_reference(
     for i, j in pairs:
         q, d = Q[cu_q[i] : cu_q[i + 1]], D[cu_d[j] : cu_d[j + 1]]
         scores.append(_token_max(q @ d.T, None).sum())
-    out = torch.stack(scores) if scores else Q.new_zeros(0)
+    out = torch.stack(scores) if scores else _empty_scores((0,), Q, D)
     if layout == "varlen":
         return out.view(len(cu_q) - 1, len(cu_d) - 1)
     return out
@@ -217,10 +222,11 @@ def maxsim_fp8_reference(
 def _token_score(sim, d_mask, score: str, tau: float, k: int) -> torch.Tensor:
     """One score per query token from sim [..., Ld]: max (also for "weighted", whose
     weights apply outside), tau * logsumexp(sim / tau) ("smooth"), or the mean of the k
-    largest ("topk_mean", over fewer when fewer doc tokens are valid). 0 where no doc
-    token is valid, with zero gradient."""
-    if sim.shape[-1] == 0:
-        return sim.new_zeros(sim.shape[:-1])
+    largest ("topk_mean", over fewer when fewer doc tokens are valid; among equal
+    similarities the earliest tokens, as the kernels pick them). 0 where no doc token is
+    valid, with zero gradient."""
+    if sim.shape[-1] == 0:  # a sum over no tokens: zeros that keep sim's graph
+        return sim.sum(dim=-1)
     if d_mask is not None:
         sim = sim.masked_fill(~d_mask, float("-inf"))
     empty = torch.isneginf(sim).all(dim=-1)
@@ -232,7 +238,8 @@ def _token_score(sim, d_mask, score: str, tau: float, k: int) -> torch.Tensor:
     elif score == "smooth":
         token = tau * torch.logsumexp(sim / tau, dim=-1)
     elif score == "topk_mean":
-        top = sim.topk(min(k, sim.shape[-1]), dim=-1).values
+        # A stable sort keeps equal similarities in token order (topk picks any of them).
+        top = sim.sort(dim=-1, descending=True, stable=True).values[..., : min(k, sim.shape[-1])]
         kept = ~torch.isneginf(top)
         total = torch.where(kept, top, torch.zeros_like(top)).sum(dim=-1)
         token = total / kept.sum(dim=-1).clamp(min=1)
@@ -281,7 +288,7 @@ def maxsim_scored_reference(
         if weights is not None:
             token = token * weights[:, None, :]
         parts.append(_sum_query_tokens(token, None if q_mask is None else q_mask[:, None, :]))
-    return torch.cat(parts, dim=1) if parts else Q.new_zeros(Nq, 0)
+    return torch.cat(parts, dim=1) if parts else _empty_scores((Nq, 0), Q, D)
 
 
 # PLAID residual compression (lik.runtime.plaid). A compressed doc token is a centroid id
@@ -363,7 +370,7 @@ def maxsim_residual_reference(
         sim = torch.einsum("isk,jtk->ijst", Q, D)
         valid = torch.arange(Ld, device=codes.device) < lengths[start:stop, None]
         parts.append(_token_max(sim, valid[None, :, None, :]).sum(dim=-1))
-    out = torch.cat(parts, dim=1) if parts else Q.new_zeros(Nq, 0)
+    out = torch.cat(parts, dim=1) if parts else _empty_scores((Nq, 0), Q, centroids, bucket_weights)
     out = torch.where(bad_length[None, :], float("nan"), out)
     return out[0] if squeeze else out
 

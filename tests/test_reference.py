@@ -87,6 +87,36 @@ def test_empty_inputs():
     assert torch.all(maxsim_reference(Q, D[:, :0]) == 0)
 
 
+@pytest.mark.parametrize("empty", ["Nq", "Lq", "Nd", "Ld"])
+def test_empty_inputs_keep_the_graph(empty):
+    # Training on the reference path (no kernel: CPU without Triton, CPU tensors beside a
+    # GPU) must backpropagate zeros through an empty batch, as the kernels' path does.
+    Nq, Lq, Nd, Ld = (0 if empty == axis else size for axis, size in
+                      (("Nq", 3), ("Lq", 4), ("Nd", 2), ("Ld", 5)))  # fmt: skip
+    Q = torch.randn(Nq, Lq, 8, dtype=torch.float64, requires_grad=True)
+    D = torch.randn(Nd, Ld, 8, dtype=torch.float64, requires_grad=True)
+    KD = torch.randn(Nq, Nd, Ld, 8, dtype=torch.float64, requires_grad=True)
+    P = torch.randn(min(Nq, Nd), Ld, 8, dtype=torch.float64, requires_grad=True)
+    scores = (maxsim_reference(Q, D), maxsim_reference(Q, D, normalize=True),
+              maxsim_reference(Q, KD), maxsim_pairs_reference(Q[: len(P)], P))  # fmt: skip
+    for out, docs in zip(scores, (D, D, KD, P), strict=True):
+        assert (out == 0).all()
+        Q.grad = docs.grad = None
+        out.sum().backward()
+        assert Q.grad.shape == Q.shape and docs.grad.shape == docs.shape
+
+
+def test_empty_packed_batches_keep_the_graph():
+    Q = torch.randn(0, 8, dtype=torch.float64, requires_grad=True)
+    D = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    none, two_docs = torch.tensor([0]), torch.tensor([0, 2, 6])
+    out = reference.score_pairs_packed_reference(Q, D, cu_seqlens_q=none, cu_seqlens_d=two_docs,
+                                                 layout="varlen")
+    assert out.shape == (0, 2)
+    out.sum().backward()
+    assert Q.grad.shape == Q.shape and (D.grad == 0).all()
+
+
 def test_nan_propagates():
     Q, D, _, _ = _inputs(5)
     D[2, 3, 0] = float("nan")

@@ -144,13 +144,23 @@ def test_topk_mean_ties_keep_the_earliest_tokens():
     # the same, and the kernel's pick is documented: earliest first).
     g = torch.Generator().manual_seed(4)
     base = torch.randn(1, 4, 8, generator=g)
-    D = torch.cat([base, base, base], dim=1).requires_grad_()  # tokens t, t+4, t+8 equal
-    Q = torch.randn(1, 3, 8, generator=g)
+    D = torch.cat([base, base, base], dim=1).to(DEVICE).requires_grad_()  # t, t+4, t+8 equal
+    Q = torch.randn(1, 3, 8, generator=g).to(DEVICE)
     out = variants.maxsim_topk_mean(Q, D, k=2)
     ref = maxsim_scored_reference(Q.double(), D.detach().double(), score="topk_mean", k=2)
     assert relative_error(out, ref) < 1e-5
     out.sum().backward()
     assert (D.grad[0, 8:] == 0).all(), "the third copy is never among the two earliest"
+    assert (D.grad[0, :8] != 0).any()
+
+
+def test_the_reference_topk_mean_also_takes_the_earliest_ties():
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(1, 4, 8, generator=g, dtype=torch.float64)
+    D = torch.cat([base, base, base], dim=1).requires_grad_()
+    Q = torch.randn(1, 3, 8, generator=g, dtype=torch.float64)
+    maxsim_scored_reference(Q, D, score="topk_mean", k=2).sum().backward()
+    assert (D.grad[0, 8:] == 0).all() and (D.grad[0, :8] != 0).any()
 
 
 @needs_kernels
@@ -178,10 +188,25 @@ def test_non_finite_inputs_never_score_finite(score):
 def test_empty_batches_and_lengths(score):
     g = torch.Generator().manual_seed(7)
     for Nq, Nd, Lq, Ld in ((0, 3, 4, 5), (2, 0, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):
-        Q = torch.randn(Nq, Lq, 8, generator=g, requires_grad=True)
-        D = torch.randn(Nd, Ld, 8, generator=g, requires_grad=True)
-        params = _params(score, Nq, Lq, "cpu", g)
+        Q = torch.randn(Nq, Lq, 8, generator=g).to(DEVICE).requires_grad_()
+        D = torch.randn(Nd, Ld, 8, generator=g).to(DEVICE).requires_grad_()
+        params = _params(score, Nq, Lq, DEVICE, g)
         out = _call(score, Q, D, None, None, params)
+        assert out.shape == (Nq, Nd) and (out == 0).all()
+        out.sum().backward()
+        assert Q.grad.shape == Q.shape and D.grad.shape == D.shape
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_the_reference_backpropagates_through_empty_batches_and_lengths(score):
+    # The path where no kernel runs (CPU without Triton, CPU tensors beside a GPU).
+    g = torch.Generator().manual_seed(7)
+    for Nq, Nd, Lq, Ld in ((0, 3, 4, 5), (2, 0, 4, 5), (2, 3, 0, 5), (2, 3, 4, 0)):
+        Q = torch.randn(Nq, Lq, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        D = torch.randn(Nd, Ld, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        weights = torch.rand(Nq, Lq, generator=g, dtype=torch.float64)
+        out = maxsim_scored_reference(Q, D, score=score, tau=0.3, k=3,
+                                      weights=weights if score == "weighted" else None)
         assert out.shape == (Nq, Nd) and (out == 0).all()
         out.sum().backward()
         assert Q.grad.shape == Q.shape and D.grad.shape == D.shape
