@@ -189,11 +189,10 @@ def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, 
     if out.numel() == 0:
         return out
     # Lq == 0 still launches once (launch_in_query_chunks): bad lengths must still poison.
-    name = _variant("dense", centroids, nbits)
     shared = {"codes": codes, "residuals": _residual_words(residuals), "centroids": centroids,
               "bucket_weights": bucket_weights, "doc_lengths": doc_lengths}  # fmt: skip
     return dispatch.launch_in_query_chunks(
-        name, out, Q, {}, shared,
+        _variant("dense", centroids, nbits), out, Q, {}, shared,
         docs=codes.shape[0], doc_tokens=codes.shape[1],
     )  # fmt: skip
 

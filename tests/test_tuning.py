@@ -38,20 +38,25 @@ def test_benchmark_shapes_resolve_to_hopper_entries(shape):
 
 
 @pytest.mark.parametrize("nbits", (2, 4, 8))
-def test_plaid_benchmark_cases_resolve_to_hopper_entries(nbits):
+def test_plaid_benchmark_cases_resolve_to_hopper_entries(nbits, monkeypatch):
     """Every bench_plaid case (both layouts, fp16 centroids) has a committed Hopper entry,
-    the key its call builds (dispatch._call_key) as the sweep that wrote it built it."""
+    under the key a Hopper call builds (dispatch._call_key), which the sweep that wrote the
+    entries also built (bench_plaid.table_key)."""
     bench_plaid = pytest.importorskip("bench_plaid")
     from lik.runtime import plaid
-    from lik.runtime.keys import KernelKey, lq_bucket, padded_head_dim, query_bucket, size_class
 
+    monkeypatch.setattr(dispatch, "gpu_family", lambda device: "hopper")
+    monkeypatch.setattr(dispatch, "gpu_card", lambda device: "")
     assert nbits in bench_plaid.NBITS
     for n_docs in bench_plaid.CANDIDATES:
         for layout in ("dense", "varlen"):
             name = plaid._variant(layout, torch.empty(0, dtype=torch.float16), nbits)
-            call = KernelKey(name, "hopper", padded_head_dim(bench_plaid.DIM),
-                             lq_bucket(bench_plaid.LQ), size_class(n_docs), query_bucket(1))
-            assert bench_plaid.table_key(name, n_docs, bench_plaid.DIM, "hopper") == call
+            # The query as each layout's launch takes it: [1, Lq, d] dense, packed varlen.
+            shape = (1, bench_plaid.LQ, bench_plaid.DIM)[layout == "varlen":]
+            call = dispatch._call_key(name, registry.load(name), torch.empty(shape),
+                                      bench_plaid.LQ, n_docs, "fwd")  # fmt: skip
+            swept = bench_plaid.table_key(name, n_docs, bench_plaid.DIM, "hopper")
+            assert swept.table_key() == call.table_key()
             entry = load_table("hopper").get(call.table_key())
             assert entry is not None, f"{call.table_key()} has no entry: bench_plaid --sweep"
 
