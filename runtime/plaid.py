@@ -67,7 +67,17 @@ def _shape_matches(got: torch.Size, want: tuple) -> bool:
 
 
 def _check(name, value, doc, *, shape, dtypes, device, dtype_doc) -> torch.Tensor:
-    """A tensor of exactly `shape` (None = any size on that axis) and an allowed dtype."""
+    """A tensor of exactly `shape` (None = any size on that axis) and an allowed dtype.
+    doc, the expected form, is a str or a function returning one: a call checks six
+    tensors, so messages are formatted only for the one that fails."""
+    if (
+        isinstance(value, torch.Tensor)
+        and _shape_matches(value.shape, shape)
+        and value.dtype in dtypes
+        and value.device == device
+    ):
+        return value
+    doc = doc() if callable(doc) else doc
     value = _tensor(name, value, doc)
     if not _shape_matches(value.shape, shape):
         raise ValueError(f"{name} must be {doc}, got {_describe(value)}")
@@ -108,7 +118,7 @@ def _codebook(Q, centroids, bucket_weights, nbits):
     centroids = _check(
         "centroids",
         centroids,
-        f"[n_centroids, {dim}]",
+        lambda: f"[n_centroids, {dim}]",
         shape=(None, dim),
         dtypes=SUPPORTED_DTYPES,
         device=Q.device,
@@ -120,7 +130,7 @@ def _codebook(Q, centroids, bucket_weights, nbits):
     bucket_weights = _check(
         "bucket_weights",
         bucket_weights,
-        f"[{n_buckets}] (2 ** nbits)",
+        lambda: f"[{n_buckets}] (2 ** nbits)",
         shape=(n_buckets,),
         dtypes=SUPPORTED_DTYPES,
         device=Q.device,
@@ -140,7 +150,7 @@ def _compressed(Q, codes, residuals, nbits, lead: tuple, lead_doc: str, suffix: 
     codes = _check(
         f"codes{suffix}",
         codes,
-        f"{lead_doc} int32 or int64",
+        lambda: f"{lead_doc} int32 or int64",
         shape=lead,
         dtypes=_INDEX_DTYPES,
         device=Q.device,
@@ -149,8 +159,8 @@ def _compressed(Q, codes, residuals, nbits, lead: tuple, lead_doc: str, suffix: 
     residuals = _check(
         f"residuals{suffix}",
         residuals,
-        f"{lead_doc[:-1]}, {width}] uint8 (ceil(d * nbits / 8) = ceil({Q.shape[-1]} * {nbits} / 8)"
-        " bytes per token)",
+        lambda: f"{lead_doc[:-1]}, {width}] uint8 (ceil(d * nbits / 8) = "
+        f"ceil({Q.shape[-1]} * {nbits} / 8) bytes per token)",
         shape=tuple(codes.shape) + (width,),
         dtypes=(torch.uint8,),
         device=Q.device,
@@ -265,7 +275,7 @@ def maxsim_residual(
     doc_lengths = _check(
         "doc_lengths",
         doc_lengths,
-        f"[{codes.shape[0]}] (one per doc)",
+        lambda: f"[{codes.shape[0]}] (one per doc)",
         shape=(codes.shape[0],),
         dtypes=_INDEX_DTYPES,
         device=Q.device,
@@ -280,7 +290,7 @@ def maxsim_residual(
             f"doc_lengths[{empty}] is 0: a zero-length doc has no token to route Q's "
             "gradient to; drop empty docs before scoring with Q.requires_grad"
         )
-    if dispatch.backend(Q.device) == "reference":
+    if dispatch.backend_of(Q) == "reference":
         out = maxsim_residual_reference(
             batch, codes, residuals, doc_lengths, centroids, bucket_weights, nbits
         ).float()
@@ -330,7 +340,7 @@ def maxsim_residual_varlen(
         ragged._check_bound("max_seqlen_d", max_seqlen_d)
     squeeze = Q.dim() == 2
     batch = Q.unsqueeze(0) if squeeze else Q
-    if dispatch.backend(Q.device) == "reference":
+    if dispatch.backend_of(Q) == "reference":
         out = maxsim_residual_varlen_reference(
             batch, codes, residuals, cu_d, centroids, bucket_weights, nbits
         ).float()
@@ -407,7 +417,7 @@ def plaid_approx_score(
     doc_lengths = _check(
         "doc_lengths",
         doc_lengths,
-        f"[{codes.shape[0]}] (one per doc)",
+        lambda: f"[{codes.shape[0]}] (one per doc)",
         shape=(codes.shape[0],),
         dtypes=_INDEX_DTYPES,
         device=scores.device,

@@ -12,6 +12,7 @@ import torch
 
 # (device, stream) -> int32 counters, all 0 between launches. Grown, never shrunk.
 _counters: dict[tuple, torch.Tensor] = {}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
 
 
 def stream_key(device: torch.device) -> tuple | None:
@@ -23,7 +24,12 @@ def stream_key(device: torch.device) -> tuple | None:
         return (device, 0)
     if torch.cuda.is_current_stream_capturing():
         return None
-    return (device, torch.cuda.current_stream(device).cuda_stream)
+    if _raw_stream is None:
+        return (device, torch.cuda.current_stream(device).cuda_stream)
+    # The raw handle, as current_stream(device).cuda_stream gives it, without building a
+    # Stream object (several microseconds of a small call's host time).
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (device, _raw_stream(index))
 
 
 def zeroed_counters(count: int, device: torch.device) -> torch.Tensor:
