@@ -6,7 +6,8 @@ PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 # pyproject only asks for torch>=2.4; installed alone, pip would pick a multi-GB CUDA
-# build. Installing the CPU release first makes the project install keep it.
+# build. Installing a CPU release first makes the project install keep it (where pip's
+# sources serve PyPI's CUDA build of this pin, add PyTorch's CPU --index-url to TORCH).
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.lik-setup-done
 INTEGRATIONS_STAMP := $(VENV)/.lik-integrations-done

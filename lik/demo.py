@@ -25,7 +25,7 @@ import lik
 from lik.runtime import autotune, describe_backend, maxsim
 from lik.runtime.reference import maxsim_reference
 
-# Relative error allowed against the float64 reference (see DESIGN.md, numerics).
+# Relative error allowed against the float64 reference (tests/helpers.py's TOLERANCE).
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 

@@ -1,6 +1,6 @@
 """lik.runtime: MaxSim scoring through generated kernels, picked per call.
 
-Public entries (API.md): maxsim, maxsim_pairs (padded batches); maxsim_varlen,
+Public entries (the README's "API in brief"): maxsim, maxsim_pairs (padded batches); maxsim_varlen,
 score_pairs_packed, pack_padded, maxsim_padded (ragged batches); retrieve,
 retrieve_sharded, MaxSimScorer (search); maxsim_weighted, maxsim_smooth,
 maxsim_topk_mean (other token scores, lik.runtime.variants). Submodules: plaid

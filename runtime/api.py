@@ -1,4 +1,4 @@
-"""Public entry points: maxsim and maxsim_pairs (see API.md for the contract)."""
+"""Public entry points: maxsim and maxsim_pairs (the contract: the README's "API in brief")."""
 
 from __future__ import annotations
 

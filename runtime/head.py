@@ -83,8 +83,8 @@ LONG_DOC_TOKENS = 512
 # Hidden-state bytes from which H is read through a TMA descriptor. The descriptor costs
 # host time on every call, which paces smaller calls back to back; larger ones are paced
 # by the GPU, where TMA reads faster. H200, Nq 1, Ld 300, 768 -> 128, back to back (us per
-# call, TMA / pointer; benchmarks/results/head_tma_H200.md): 118 MB 102 / 72, 236 MB
-# 88 / 98, 461 MB 155 / 176.
+# call, TMA / pointer; benchmarks/results/head_tma_H200.md): 118 MB 95 / 59, 236 MB
+# 90 / 97, 461 MB 152 / 170.
 TMA_MIN_HIDDEN_BYTES = 160 << 20
 
 

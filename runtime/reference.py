@@ -1,9 +1,9 @@
 """The ground truth: plain PyTorch MaxSim, autograd-aware, float64-capable, memory-bounded.
 
-Every test compares a kernel against these functions. They follow lik's semantics
-(DESIGN.md): masks are bool with True = valid; a masked doc token never wins the max; a
-query token with no valid doc token (fully masked doc, Ld == 0) contributes 0; masked
-query tokens contribute 0. Computation happens in the inputs' dtype promoted to at least
+Every test compares a kernel against these functions. They follow lik's semantics (the
+README's "API in brief"): masks are bool with True = valid; a masked doc token never wins
+the max; a query token with no valid doc token (fully masked doc, Ld == 0) contributes 0;
+masked query tokens contribute 0. Computation happens in the inputs' dtype promoted to at least
 fp32 (pass float64 tensors for a float64 reference); scores come back in that dtype.
 """
 
