@@ -28,6 +28,8 @@ import re
 
 import torch
 
+from lik.runtime.workspace import raw_stream as _raw_stream
+
 try:
     import triton
     from triton import knobs
@@ -57,7 +59,6 @@ _UNKEYABLE = object()  # an argument the key cannot describe
 _MISSING = object()
 _Tensor = torch.Tensor
 _current_device = torch.cuda.current_device
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
 
 
 def _hooked(hook) -> bool:

@@ -70,16 +70,9 @@ def _check(name, value, doc, *, shape, dtypes, device, dtype_doc) -> torch.Tenso
     """A tensor of exactly `shape` (None = any size on that axis) and an allowed dtype.
     doc, the expected form, is a str or a function returning one: a call checks six
     tensors, so messages are formatted only for the one that fails."""
-    if (
-        isinstance(value, torch.Tensor)
-        and _shape_matches(value.shape, shape)
-        and value.dtype in dtypes
-        and value.device == device
-    ):
-        return value
-    doc = doc() if callable(doc) else doc
-    value = _tensor(name, value, doc)
-    if not _shape_matches(value.shape, shape):
+    if not isinstance(value, torch.Tensor) or not _shape_matches(value.shape, shape):
+        doc = doc() if callable(doc) else doc
+        value = _tensor(name, value, doc)
         raise ValueError(f"{name} must be {doc}, got {_describe(value)}")
     if value.dtype not in dtypes:
         raise TypeError(f"{name} must be {dtype_doc}, got {value.dtype}")
