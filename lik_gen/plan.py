@@ -31,7 +31,10 @@ TORCH_DTYPE = {
     DType.BF16: "torch.bfloat16",
     DType.FP8E4M3: "torch.float8_e4m3fn",
 }
-ELEMENT_BYTES = {DType.FP32: 4, DType.FP16: 2, DType.BF16: 2, DType.FP8E4M3: 1}
+# Shared memory per element of a tl.dot operand tile on a GPU: fp32's tf32x3 dots keep a
+# high and a low tf32 part of each operand, twice its bytes (H200: a 128-token query tile
+# at head dim 256 with one 16-token doc tile took 288 KB, the element model said 144).
+SMEM_OPERAND_BYTES = {DType.FP32: 8, DType.FP16: 2, DType.BF16: 2, DType.FP8E4M3: 1}
 # Operand dtype of tl.dot on a GPU. fp32 inputs use three tf32 passes ("tf32x3", about
 # fp32 accuracy): a single tf32 pass (~3e-4 error) flips near-tied argmaxes, which moves
 # gradients to another doc token (seen on an H200: grad_Q error 0.08-0.2 vs float64).
@@ -544,7 +547,7 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     shape = _LAYOUT[variant.layout]
     queries, docs = shape["queries"], shape["docs"]
     pair_params = tuple(str(s) for s in (queries, docs) if isinstance(s, sympy.Symbol))
-    element = ELEMENT_BYTES[variant.dtype]
+    operand = SMEM_OPERAND_BYTES[variant.dtype]
     if variant.op is Op.TOPK:
         forward_programs = sympy.ceiling(queries / QUERY_GROUP) * sympy.ceiling(
             docs / DOCS_PER_PROGRAM
@@ -565,7 +568,7 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
     formulas = [
         _formula("forward_grid", sympy.Tuple(forward_programs), grid_params,
                  f"Programs of the forward: one per {grid_doc}."),
-        _formula("smem_bytes", (num_stages * BLOCK_L + BLOCK_Q) * BLOCK_K * element,
+        _formula("smem_bytes", (num_stages * BLOCK_L + BLOCK_Q) * BLOCK_K * operand,
                  ("BLOCK_Q", "BLOCK_L", "BLOCK_K", "num_stages"),
                  "Shared memory of the forward: pipelined doc tiles plus the query tile."),
     ]  # fmt: skip

@@ -18,9 +18,9 @@ from lik_gen.ir import Backward, Decompression, DType, Layout, Mask, Op, Target,
 from lik_gen.plan import (
     DOT_DTYPE_DEVICE,
     DOT_DTYPE_INTERPRETER,
-    ELEMENT_BYTES,
     INPUT_PRECISION_DEVICE,
     INPUT_PRECISION_INTERPRETER,
+    SMEM_OPERAND_BYTES,
     TORCH_DTYPE,
     Formula,
     KernelArg,
@@ -132,7 +132,7 @@ def _reduce_args(save_argmax: bool) -> tuple[KernelArg, ...]:
 
 
 def _formulas(variant: Variant) -> tuple[Formula, ...]:
-    element = ELEMENT_BYTES[variant.dtype]
+    operand = SMEM_OPERAND_BYTES[variant.dtype]
     doc_blocks = sympy.ceiling(Ld / BLOCK_L)
     query_groups = sympy.ceiling(Nq / QUERY_GROUP)
     return (
@@ -151,7 +151,7 @@ def _formulas(variant: Variant) -> tuple[Formula, ...]:
                  query_groups * QUERY_GROUP * sympy.ceiling(Lq / BLOCK_Q) * BLOCK_Q,
                  ("Nq", "Lq", "QUERY_GROUP", "BLOCK_Q"),
                  "Partial-max slots per doc block: every (query group, token chunk) tile."),
-        _formula("smem_bytes", num_stages * (BLOCK_L + BLOCK_K) * BLOCK_M * element,
+        _formula("smem_bytes", num_stages * (BLOCK_L + BLOCK_K) * BLOCK_M * operand,
                  ("BLOCK_L", "BLOCK_M", "BLOCK_K", "num_stages"),
                  "Shared memory of the projection loop: pipelined hidden-state and weight tiles."),
     )  # fmt: skip

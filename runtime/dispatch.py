@@ -18,6 +18,7 @@ import torch
 from lik.runtime import autotune, metal, registry, validate
 from lik.runtime.keys import (
     LQ_CHUNK,
+    MIN_BLOCK,
     KernelKey,
     cuda_index,
     gpu_card,
@@ -75,9 +76,46 @@ def describe_backend(device: torch.device | str) -> str:
     }[backend(device)]
 
 
-def _chunks(lq: int):
-    """Query-token ranges scored per launch: LQ_CHUNK tokens at most."""
-    return [(start, min(lq, start + LQ_CHUNK)) for start in range(0, lq, LQ_CHUNK)]
+def unit_head_stride(t: torch.Tensor) -> torch.Tensor:
+    """t with its last (head dim) axis contiguous, copied where it is not. Kernels read
+    tiles along that axis: with another stride their loads do not coalesce, and Triton
+    3.6 miscompiles the nested-docs loop over docs stored token-major (an illegal address
+    on an H200: D [1111, 202, 100] of strides (20200, 1, 202), 8 docs per program)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _chunks(lq: int, chunk: int = LQ_CHUNK):
+    """Query-token ranges scored per launch: `chunk` tokens at most."""
+    return [(start, min(lq, start + chunk)) for start in range(0, lq, chunk)]
+
+
+# Query tokens per launch that fit every family's shared memory whatever the variant
+# (fp32 at head dim 256 under the smallest limit): shorter queries skip query_chunk.
+ALWAYS_FITTING_QUERY_TOKENS = 32
+
+
+def query_chunk(module, Q: torch.Tensor) -> int:
+    """Query tokens a launch of `module` scores at most on Q's device: LQ_CHUNK, or fewer
+    where a tile of that many query tokens and the smallest doc tile would not fit its
+    shared memory (fp32 at head dim 256 on an H100 or H200: 64; bf16 there: 256)."""
+    return family_query_chunk(module, Q.shape[-1], gpu_family(Q.device))
+
+
+def family_query_chunk(module, d: int, family: str) -> int:
+    """query_chunk for head dim d on a GPU of `family` ("interpreter": LQ_CHUNK, no shared
+    memory to run out of)."""
+    if family == "interpreter":
+        return LQ_CHUNK
+    return _fitting_query_tokens(module.smem_bytes, padded_head_dim(d),
+                                 SMEM_LIMIT.get(family, DEFAULT_SMEM_LIMIT))  # fmt: skip
+
+
+@functools.cache
+def _fitting_query_tokens(smem_bytes, head_dim: int, limit: int) -> int:
+    tokens = LQ_CHUNK
+    while tokens > MIN_BLOCK and smem_bytes(tokens, MIN_BLOCK, head_dim, 1) > limit:
+        tokens //= 2
+    return tokens
 
 
 _configs: dict[KernelKey, object] = {}  # a key's config, looked up once (_key_config)
@@ -466,8 +504,9 @@ def forward(
 
     With a backward strategy, the training variant also writes each query token's winning
     doc token into `argmax` (out.shape + (Lq,), int32, -1 where no token wins).
-    Queries longer than LQ_CHUNK tokens are scored chunk by chunk and summed: exact, since
-    each query token's max is independent of the others.
+    Queries longer than query_chunk's tokens (LQ_CHUNK, fewer where shared memory is
+    short) are scored chunk by chunk and summed: exact, since each query token's max is
+    independent of the others.
     """
     lq = Q.shape[1]
     if out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
@@ -481,6 +520,7 @@ def forward(
     name = variant_name(
         layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, backward=backward
     )
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
     shared = {"D": D}
     if d_mask is not None:
         shared["d_mask"] = validate.byte_mask(d_mask)
@@ -491,8 +531,8 @@ def forward(
 
 def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_tokens=0,
                            adjust=None):  # fmt: skip
-    """Launches variant `name` into out over Q [N, Lq, d] in chunks of at most LQ_CHUNK
-    query tokens, whose scores add exactly (a max never spans query tokens).
+    """Launches variant `name` into out over Q [N, Lq, d] in chunks of at most
+    query_chunk's query tokens, whose scores add exactly (a max never spans query tokens).
 
     per_token: tensors whose last axis is Lq (masks, argmax, scales; None entries are
     left out), sliced with Q; shared: the other launcher arguments, by name. adjust maps
@@ -502,9 +542,11 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
     lq = Q.shape[1]
     per_token = {key: value for key, value in per_token.items() if value is not None}
     sizes = {"docs": docs, "doc_tokens": doc_tokens, "adjust": adjust}
-    if lq <= LQ_CHUNK:  # one launch, no slicing: the common case (this runs every call)
+    # One launch, no slicing: the common case (this runs every call).
+    chunk = LQ_CHUNK if lq <= ALWAYS_FITTING_QUERY_TOKENS else query_chunk(module, Q)
+    if lq <= chunk:
         return launch_keyed(name, module, Q, lq, out, Q=Q, **shared, **per_token, **sizes)
-    for start, stop in _chunks(lq):
+    for start, stop in _chunks(lq, chunk):
         sliced = {k: v[..., start:stop] for k, v in per_token.items()}
         target = out if start == 0 else torch.empty_like(out)
         chunk = Q[:, start:stop]
@@ -555,8 +597,9 @@ def backward(
         )
     name = variant_name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
     grad_q_chunks, grad_d = [], None
-    for start, stop in _chunks(lq):
+    for start, stop in _chunks(lq, query_chunk(module, Q)):  # the forward's chunks
         whole = stop - start == lq
         chunk_q = Q if whole else Q[:, start:stop]
         chunk_argmax = argmax if whole else argmax[..., start:stop]
@@ -595,6 +638,15 @@ def forward_ragged(
         return out.zero_()
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=backward)
     module = registry.load(name)
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
+    fitting = query_chunk(module, Q)
+    if max_seqlen_q > fitting:  # packed queries cannot be scored in token chunks
+        raise ValueError(
+            f"max_seqlen_q={max_seqlen_q}: {Q.dtype} queries of head dim {Q.shape[-1]} fit "
+            f"this GPU's shared memory {fitting} tokens at a time, and ragged queries are "
+            "scored whole; use maxsim on a padded batch (it scores long queries in chunks), "
+            "or bf16/fp16 queries"
+        )
     extra = {"argmax": argmax} if argmax is not None else {}
     # Every packed query scores every doc (varlen): queries stack in the query tile.
     adjust = None
@@ -638,6 +690,7 @@ def backward_ragged(
         return torch.zeros_like(Q), torch.zeros_like(D)
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
 
     def run(config):
         return module.backward(grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q,

@@ -14,7 +14,7 @@ import torch
 
 from lik.runtime import autotune, dispatch, registry, tune, validate
 from lik.runtime.api import AUTO_RULE, choose_backward
-from lik.runtime.keys import LQ_CHUNK, KernelKey, gpu_card, gpu_family
+from lik.runtime.keys import KernelKey, gpu_card, gpu_family
 from lik.runtime.tuning import LaunchConfig, committed_source, config_for, table_file
 
 
@@ -40,7 +40,8 @@ class ForwardPlan:
     masks: str  # the call's mask arguments: "", "q_mask", "d_mask" or "q_mask, d_mask"
     autotuned: bool  # no committed entry; the config comes from this machine's autotune cache
     config: LaunchConfig  # as launched: doc blocks, token ranges, tail peel, once tiles
-    chunks: int  # launches over query-token chunks of at most LQ_CHUNK tokens
+    chunks: int  # launches over query-token chunks of at most query_chunk tokens
+    query_chunk: int  # LQ_CHUNK, or fewer where shared memory is short (dispatch.query_chunk)
     wave: int  # programs of this config the GPU holds at once
     backward: BackwardPlan | None = None  # a training call's (inputs requiring grad)
 
@@ -81,9 +82,15 @@ def explain_forward(
     if card is None:
         card = gpu_card(device)
     strategy = "none" if backward is None else choose_backward(backward, "dense", nq, nd)
-    key = tune.key_for(("call", nq, nd, lq, ld, d), family, dtype, card,
-                       q_mask=q_mask, d_mask=d_mask, backward=strategy)  # fmt: skip
+    def key_for(query_tokens):
+        return tune.key_for(("call", nq, nd, query_tokens, ld, d), family, dtype, card,
+                            q_mask=q_mask, d_mask=d_mask, backward=strategy)  # fmt: skip
+
+    key = key_for(lq)
     module = registry.load(key.variant)
+    chunk = dispatch.family_query_chunk(module, d, family)
+    if lq > chunk:  # keyed by its first chunk
+        key = key_for(chunk)
     once_key = dataclasses.replace(key, kernel="once")
     # A key without an entry takes the one its first CUDA call on this card autotuned.
     tuned = dispatch.autotuned_entry(key, torch.device("cuda"))
@@ -101,7 +108,8 @@ def explain_forward(
         masks=", ".join(name for name, on in (("q_mask", q_mask), ("d_mask", d_mask)) if on),
         autotuned=tuned is not None,
         config=config,
-        chunks=-(-lq // LQ_CHUNK),
+        chunks=-(-lq // chunk),
+        query_chunk=chunk,
         wave=dispatch.wave_for(module, config, device),
         backward=None if backward is None else _backward_plan(backward, strategy, key, module),
     )
@@ -126,8 +134,8 @@ def strategy_lines(plan: ForwardPlan) -> list[str]:
     config, (nq, nd, _, ld, _) = plan.config, plan.shape
     lines = []
     if plan.chunks > 1:
-        lines.append(f"{plan.chunks} launches over query chunks of at most {LQ_CHUNK} tokens, "
-                     "summed (a max never spans query tokens)")  # fmt: skip
+        lines.append(f"{plan.chunks} launches over query chunks of at most {plan.query_chunk} "
+                     "tokens, summed (a max never spans query tokens)")  # fmt: skip
     if config.query_group > 1:
         lines.append(f"{config.query_group} queries' tokens stacked per tile "
                      f"({config.query_group * config.block_q} rows): each doc tile is read "

@@ -216,6 +216,7 @@ def _kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask) -> torch.Tensor:
     """Scores into out [Nq, Nd] (fp32) with the generated fp8 kernel: Q [Nq, Lq, d],
     D [Nd, Ld, d] (Lq, Ld > 0), per-token scale views [Nq, Lq] and [Nd, Ld]."""
     name = variant_name("dense", q_mask is not None, d_mask is not None, False, FP8_DTYPE)
+    Q, D = dispatch.unit_head_stride(Q), dispatch.unit_head_stride(D)
     shared = {"D": D, "scale_D": scale_D}
     if d_mask is not None:
         shared["d_mask"] = validate.byte_mask(d_mask)

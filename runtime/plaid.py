@@ -178,9 +178,9 @@ def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
     return variant_name(layout, False, False, True, centroids.dtype) + f"_res{nbits}"
 
 
-def _query_chunks(lq: int):
+def _query_chunks(module, Q: torch.Tensor):
     # Lq == 0 still launches once: bad doc lengths or offsets must still poison.
-    return dispatch._chunks(lq) or [(0, 0)]
+    return dispatch._chunks(Q.shape[1], dispatch.query_chunk(module, Q)) or [(0, 0)]
 
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):
@@ -345,14 +345,14 @@ def maxsim_residual_varlen(
 
 
 def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits):
-    Nq, Lq = Q.shape[0], Q.shape[1]
+    Nq = Q.shape[0]
     out = torch.empty((Nq, cu_d.shape[0] - 1), dtype=torch.float32, device=Q.device)
     if out.numel() == 0:
         return out
     name = _variant("varlen", centroids, nbits)
     module = registry.load(name)
     residuals = _residual_words(residuals)  # once for every query chunk
-    for start, stop in _query_chunks(Lq):
+    for start, stop in _query_chunks(module, Q):
         lq = stop - start
         # The varlen kernel reads packed queries: a padded [Nq, lq, d] batch is Nq
         # sequences of lq tokens (a view when Q is contiguous).

@@ -209,11 +209,16 @@ def default_config(key: KernelKey) -> dict[str, int]:
 def config_for(key: KernelKey, smem_bytes, entry: dict | None = None) -> LaunchConfig:
     """The launch config for a key: `entry` where given (an autotuned one), else its
     committed entry, else the default; smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, stages) caps
-    stages."""
+    its query stacking and stages."""
     entry = entry or committed_entry(key) or default_config(key)
     stages = entry["num_stages"]
     limit = SMEM_LIMIT.get(key.family, DEFAULT_SMEM_LIMIT)
     query_group = entry.get("query_group", 1)
+    # Fewer stacked queries where even one stage would not fit (fp32 at head dim 256),
+    # then fewer stages.
+    while query_group > 1 and smem_bytes(key.lq * query_group, entry["block_l"],
+                                         key.head_dim, 1) > limit:  # fmt: skip
+        query_group //= 2
     rows = key.lq * query_group
     while stages > 1 and smem_bytes(rows, entry["block_l"], key.head_dim, stages) > limit:
         stages -= 1

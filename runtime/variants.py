@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from lik.runtime import dispatch, metal, registry, validate
-from lik.runtime.keys import LQ_CHUNK, next_power_of_two, variant_name
+from lik.runtime.keys import next_power_of_two, variant_name
 from lik.runtime.reference import maxsim_scored_reference
 
 # Slots the top-k hook keeps per query token live in registers, TOKEN_K of them per row
@@ -89,6 +89,7 @@ def _forward(call: _Call, Q, D, W, q_mask, d_mask, training: bool):
     name = _name(call, Q, q_mask is not None, d_mask is not None,
                  "lowmem" if training else "none")  # fmt: skip
     module = registry.load(name)
+    Q, D = dispatch.unit_head_stride(Q), dispatch.unit_head_stride(D)
     extra = {"saved": saved} if training else {}
     dispatch.launch_keyed(name, module, Q, Q.shape[1], out, Q, D, **_tensors(W, q_mask, d_mask),
                           **_score_keywords(call), **extra)  # fmt: skip
@@ -101,6 +102,7 @@ def _backward(call: _Call, grad_out, saved, Q, D, W, q_mask, d_mask):
         return (*grads, None if W is None else torch.zeros_like(W))
     name = _name(call, Q, q_mask is not None, d_mask is not None, "lowmem")
     module = registry.load(name)
+    Q, D = dispatch.unit_head_stride(Q), dispatch.unit_head_stride(D)
     grad_out = grad_out.contiguous()
     arguments = {**_tensors(W, q_mask, d_mask), **_score_keywords(call)}
 
@@ -129,10 +131,13 @@ class _Scored(torch.autograd.Function):
 
 
 def _kernel_score(call: _Call, Q, D, W, q_mask, d_mask) -> torch.Tensor:
-    """Generated kernels, queries longer than LQ_CHUNK in chunks (token scores add)."""
+    """Generated kernels, queries longer than dispatch.query_chunk's tokens in chunks
+    (token scores add)."""
     total = None
-    for start in range(0, max(1, Q.shape[1]), LQ_CHUNK):
-        stop = min(Q.shape[1], start + LQ_CHUNK)
+    module = registry.load(_name(call, Q, q_mask is not None, d_mask is not None, "none"))
+    chunk = dispatch.query_chunk(module, Q)
+    for start in range(0, max(1, Q.shape[1]), chunk):
+        stop = min(Q.shape[1], start + chunk)
         whole = start == 0 and stop == Q.shape[1]
         q = Q if whole else Q[:, start:stop]
         w = W if whole or W is None else W[:, start:stop]

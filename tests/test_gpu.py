@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import TOLERANCE, padded_variant_names, poisoned, relative_error, weighted_gradients
 
-from lik.runtime import dispatch, registry
+from lik.runtime import dispatch, maxsim, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -216,3 +216,21 @@ def test_gpu_varlen_lowmem_gradients(dtype, normalize):
         assert grad.dtype == dtype and relative_error(grad, ref) < TOLERANCE[dtype]
     again = weighted_gradients(lowmem, Q, D, weights)
     assert all(torch.equal(a, b) for a, b in zip(again, got, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_docs_stored_token_major_score_under_nested_docs(monkeypatch, dtype):
+    # Docs whose head dim is not their contiguous axis ([Nd, d, Ld] storage seen as
+    # [Nd, Ld, d]) made Triton 3.6's nested-docs loop read an illegal address on an H200
+    # (found by a randomized sweep); lik now copies such docs head-contiguous first.
+    monkeypatch.setattr(dispatch, "nested_docs_per_program", lambda config, nq, nd: 8)
+    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setenv("LIK_AUTOTUNE", "0")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    Q = torch.randn(59, 19, 100, device="cuda", generator=g).to(dtype)
+    D = torch.randn(1111, 100, 202, device="cuda", generator=g).to(dtype).transpose(1, 2)
+    d_mask = torch.rand(1111, 202, device="cuda", generator=g) < 0.9
+    out = maxsim(Q, D, None, d_mask, normalize=True)
+    torch.cuda.synchronize()
+    ref = maxsim_reference(Q.double(), D.double(), None, d_mask, normalize=True)
+    assert relative_error(out, ref) < TOLERANCE[dtype]

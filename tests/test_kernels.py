@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close_to_reference, padded_variant_names, poisoned, random_mask
+from helpers import (
+    assert_close_to_reference,
+    padded_variant_names,
+    poisoned,
+    random_mask,
+    relative_error,
+)
 
 from lik.runtime import dispatch, maxsim, maxsim_pairs, registry, workspace
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
@@ -249,6 +255,52 @@ def test_long_queries_are_chunked_exactly():
     ref = maxsim_reference(Q.double(), D.double(), q_mask)
     out = maxsim(Q, D, q_mask)
     assert_close_to_reference(out, ref, torch.float32, interpreter=INTERPRETER, what="Lq=520")
+
+
+@pytest.mark.parametrize("backward", ["unified", "lowmem"])
+def test_queries_past_the_shared_memory_chunk_are_scored_in_chunks(monkeypatch, backward):
+    """Where a query tile would not fit shared memory (fp32 at head dim 256 takes 64 query
+    tokens on an H100 or H200), long queries are scored and differentiated in shorter
+    chunks that add up to the whole (the chunk forced to 16 here)."""
+    monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: 16)
+    generator = torch.Generator().manual_seed(12)
+    Q = torch.randn(2, 40, 24, generator=generator).to(DEVICE)
+    D = torch.randn(3, 11, 24, generator=generator).to(DEVICE)
+    q_mask = random_mask((2, 40), 0.8, DEVICE, generator=generator)
+    weights = torch.randn(2, 3, generator=generator).to(DEVICE)
+    Qk, Dk = (t.clone().requires_grad_() for t in (Q, D))
+    out = maxsim(Qk, Dk, q_mask, normalize=True, backward=backward)
+    (out * weights).sum().backward()
+    Qr, Dr = (t.double().requires_grad_() for t in (Q, D))
+    ref = maxsim_reference(Qr, Dr, q_mask, normalize=True)
+    (ref * weights.double()).sum().backward()
+    assert_close_to_reference(out, ref, torch.float32, interpreter=INTERPRETER, what="chunked")
+    for got, want in ((Qk.grad, Qr.grad), (Dk.grad, Dr.grad)):
+        assert relative_error(got, want) < 1e-3
+
+
+def test_docs_stored_token_major_reach_the_kernel_head_contiguous(monkeypatch):
+    """A doc tile is read along the head dim: docs whose head dim is not their contiguous
+    axis are copied first (uncoalesced loads otherwise, and an illegal address under
+    Triton 3.6's nested-docs loop); views with a unit head stride are not."""
+    launched = []
+    real = dispatch.launch_keyed
+
+    def recording(*args, **kwargs):
+        launched.append(kwargs["D"].stride())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "launch_keyed", recording)
+    generator = torch.Generator().manual_seed(6)
+    Q = torch.randn(3, 7, 20, generator=generator).to(DEVICE)
+    D = torch.randn(5, 20, 9, generator=generator).to(DEVICE).transpose(1, 2)  # [5, 9, 20]
+    ref = maxsim_reference(Q.double(), D.double())
+    out = maxsim(Q, D)
+    assert launched[-1][-1] == 1
+    assert_close_to_reference(out, ref, torch.float32, interpreter=INTERPRETER, what="token-major")
+    view = torch.randn(9, 5, 20, generator=generator).to(DEVICE).transpose(0, 1)
+    maxsim(Q, view)
+    assert launched[-1] == view.stride()  # no copy
 
 
 def test_non_contiguous_inputs():

@@ -339,3 +339,18 @@ def test_uniform_offsets_are_built_once_per_shape():
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 5, 10, 15]
     assert uniform_offsets(3, 5, torch.device("cpu")) is offsets
     assert uniform_offsets(3, 6, torch.device("cpu")).tolist() == [0, 6, 12, 18]
+
+
+def test_ragged_queries_longer_than_fit_are_refused(monkeypatch):
+    # Packed queries are scored whole: where a query tile of max_seqlen_q tokens would not
+    # fit shared memory (fp32 at head dim 256 past 64 tokens on an H100 or H200), the call
+    # says so instead of failing at launch.
+    monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: 16)
+    Q = torch.randn(20, 8, device=DEVICE)
+    D = torch.randn(5, 8, device=DEVICE)
+    cu_q = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
+    cu_d = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=20: torch.float32 queries of head dim 8"):
+        maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=20, max_seqlen_d=5)
+    assert maxsim_varlen(Q[:16], D, torch.tensor([0, 16], dtype=torch.int32, device=DEVICE),
+                         cu_d).shape == (1, 1)  # fmt: skip

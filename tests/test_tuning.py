@@ -14,7 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from lik.runtime import dispatch, registry, tune
-from lik.runtime.tuning import LaunchConfig, load_table
+from lik.runtime.keys import LQ_CHUNK, KernelKey
+from lik.runtime.tuning import SMEM_LIMIT, LaunchConfig, config_for, load_table
 
 CPU = torch.device("cpu")  # plans splits as on an H100
 # Where calls launch kernels: the interpreter on a CPU machine, CUDA on a GPU one (where CPU
@@ -450,7 +451,7 @@ def test_call_configs_are_remembered_per_call_shape_and_bounded(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_call_configs", {})
     monkeypatch.setattr(dispatch, "CALL_CONFIG_CACHE_SIZE", 3)
-    name = "maxsim_dense_nomask_fp32_triton"
+    name = "maxsim_dense_nomask_bf16_triton"
     module = registry.load(name)
     Q = torch.randn(16, 32, 128)
 
@@ -585,3 +586,32 @@ def test_the_demo_s_gpu_call_has_a_hopper_entry():
     name = variant_name("dense", False, True, True, torch.float16)
     key = KernelKey(name, "hopper", 128, 32, "s", 4)
     assert committed_source(key) == ("hopper.toml", key.table_key())
+
+
+def test_query_chunks_and_stacking_fit_the_shared_memory():
+    # fp32 dots run as tf32x3, which keeps a high and a low part of each operand: twice
+    # its bytes (offline sm_90 compile with Triton 3.6, and the H200's out-of-resources
+    # error: 288 KB for 128 query tokens at head dim 256 beside one 16-token doc tile).
+    fp32 = registry.load("maxsim_dense_nomask_fp32_triton")
+    bf16 = registry.load("maxsim_dense_nomask_bf16_triton")
+    assert fp32.smem_bytes(128, 16, 256, 1) == 288 * 1024
+    chunk = dispatch.family_query_chunk
+    assert [chunk(fp32, d, "hopper") for d in (256, 200, 128)] == [64, 64, 128]
+    assert [chunk(bf16, d, "hopper") for d in (256, 128)] == [256, LQ_CHUNK]
+    assert chunk(fp32, 256, "interpreter") == LQ_CHUNK
+    for family in [*SMEM_LIMIT, "some other family"]:  # the chunk's fast path holds for all
+        assert chunk(fp32, 256, family) >= dispatch.ALWAYS_FITTING_QUERY_TOKENS
+    # A default entry stacking two 64-token fp32 queries at head dim 256 would need 384 KB
+    # even unpipelined: one query per tile.
+    key = KernelKey("maxsim_dense_nomask_fp32_triton", "hopper", 256, 64, "s", 8, "fwd", "")
+    config = config_for(key, fp32.smem_bytes, {"block_l": 32, "num_warps": 8, "num_stages": 3,
+                                               "query_group": 2})  # fmt: skip
+    assert config.query_group == 1 and config.num_stages == 1
+    assert fp32.smem_bytes(64, 32, 256, 1) <= SMEM_LIMIT["hopper"]
+
+
+def test_routed_grad_d_rows_fit_the_shared_memory():
+    lowmem = registry.load("maxsim_dense_nomask_fp32_triton_lowmem")
+    # 128 rows at head dim 256 in tf32x3 took 256 KB (offline sm_90 compile); 64 take 128.
+    assert lowmem.routed_rows(256, "tf32x3") == 64
+    assert lowmem.routed_rows(128, "tf32x3") == lowmem.routed_rows(256, "ieee") == 128

@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 1871250d9dd294277c0534e831c0db4b0a17b6da059672fa180f433f7ca61511
+# body-sha256: 2fb26d250c3772db832cad3d24053dfe83fd5e9756d92ecd743f311a8d6abe7d
 
 """Projection head + MaxSim forward for head_dense_dmask_fp32_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -821,7 +821,7 @@ def scratch_columns(Nq, Lq, QUERY_GROUP, BLOCK_Q):
 
 def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     """Shared memory of the projection loop: pipelined hidden-state and weight tiles."""
-    return 4 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
+    return 8 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
 def flat_tokens(Ld, config):

@@ -2,7 +2,7 @@
 # variant: head_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: e0135042a0594e860329bd01acc0ac673ea5c5be587da96712d46b7874f3cdd7
+# body-sha256: d154ed8eb01abb841f3b598dbb35cd4a05089e4c48ab01f099644802053d2161
 
 """Projection head + MaxSim forward for head_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -831,7 +831,7 @@ def scratch_columns(Nq, Lq, QUERY_GROUP, BLOCK_Q):
 
 def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     """Shared memory of the projection loop: pipelined hidden-state and weight tiles."""
-    return 4 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
+    return 8 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
 def flat_tokens(Ld, config):

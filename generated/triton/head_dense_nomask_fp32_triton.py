@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": false, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 6af9b4cbcb47fcb3ec426f0b54990da7b008fc7e47ed36ffdf8d74dfcf50b99b
+# body-sha256: 0437481d8a60560beaa1ef6195bf3376200255ef700ed9007ba050ce689fef61
 
 """Projection head + MaxSim forward for head_dense_nomask_fp32_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -793,7 +793,7 @@ def scratch_columns(Nq, Lq, QUERY_GROUP, BLOCK_Q):
 
 def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     """Shared memory of the projection loop: pipelined hidden-state and weight tiles."""
-    return 4 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
+    return 8 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
 def flat_tokens(Ld, config):

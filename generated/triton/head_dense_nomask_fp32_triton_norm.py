@@ -2,7 +2,7 @@
 # variant: head_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "head", "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2, triton/partials/helpers.py.j2
-# body-sha256: 0cdc6045c1dad70132d7bb65847986e11157c5eec4fb66c93c0710a8c9d33986
+# body-sha256: f3e664f945fd9268873f0daf8a77019e43f7e3b4072513992ca6ef6619fa8135
 
 """Projection head + MaxSim forward for head_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -803,7 +803,7 @@ def scratch_columns(Nq, Lq, QUERY_GROUP, BLOCK_Q):
 
 def smem_bytes(BLOCK_L, BLOCK_M, BLOCK_K, num_stages):
     """Shared memory of the projection loop: pipelined hidden-state and weight tiles."""
-    return 4 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
+    return 8 * BLOCK_M * num_stages * (BLOCK_K + BLOCK_L)
 
 
 def flat_tokens(Ld, config):

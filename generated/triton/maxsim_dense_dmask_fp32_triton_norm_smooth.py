@@ -2,7 +2,7 @@
 # variant: maxsim_dense_dmask_fp32_triton_norm_smooth
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "maxsim", "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 230f49cd2cc71a190d504295dd4ce9c44d442e2034f2fce852951a27a7398d2f
+# body-sha256: 259660ec48ef7e987b961bab94906f6a30fd1b101abc0560130c1187490dc74d
 
 """MaxSim forward for maxsim_dense_dmask_fp32_triton_norm_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -185,7 +185,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, d_mask, *, tau, config):

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp16_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp16", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7e994d02a0551daabf7e9bb611a20a45be93ad20531d89a2a8d6a343cd2fcec0
+# body-sha256: a44bab7a48a656e8fe77c44a30beec9420eb87a99362db99902b12e792f75431
 
 """MaxSim training (lowmem backward) for maxsim_dense_nomask_fp16_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -572,6 +572,17 @@ GRAD_Q_WARPS = 1
 # to 4096 scan slots within 3% of 1024 (8192: colpali 32 0.038 -> 0.048).
 ROUTED_ROWS = 128
 SCAN_SLOTS = 1024
+# Shared memory the listed rows' [rows, head dim] operand may take: fp32's tf32x3 dots
+# keep a high and a low part of it, 256 KB at 128 rows and head dim 256 (more than an
+# H100 or H200 has), so there the steps take fewer rows.
+ROUTED_ROWS_BYTES = 128 * 1024
+
+
+def routed_rows(block_k, input_precision):
+    """Listed query tokens per grad_D step: ROUTED_ROWS, fewer where their operand would
+    outgrow ROUTED_ROWS_BYTES."""
+    operand = 8 if input_precision == "tf32x3" else 2
+    return min(ROUTED_ROWS, ROUTED_ROWS_BYTES // (block_k * operand))
 
 
 def backward(grad_out, argmax, Q, D, *, config):
@@ -640,7 +651,7 @@ def backward(grad_out, argmax, Q, D, *, config):
         GD_strides[0],
         GD_strides[1],
         GD_strides[2],
-        BLOCK_R=ROUTED_ROWS,
+        BLOCK_R=routed_rows(config.block_k, input_precision),
         SPLIT_G=dot_dtype != tl.float32,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 61072eb214e0ef57e324a46da201b0903f02ecf7af0c802acb2a66ac5dc2000b
+# body-sha256: 2eef008f09b274acf4073d3315482c0ff082bc3d1ae69685853c585adc205c95
 
 """MaxSim forward for maxsim_dense_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -337,7 +337,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, *, config):

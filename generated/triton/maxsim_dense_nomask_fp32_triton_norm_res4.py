@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res4
 # spec: {"backward": "none", "decompression": "residual4", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6238456156095f2d33c469616208445db362bbca8f122438970d0f2f70d730ee
+# body-sha256: 1aff4f0a64b18dadf2001114a942157b233f66b004a3df40e3290d3c9e31443b
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -542,7 +542,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, config):

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_nomask_fp32_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp32", "layout": "dense", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: d0ea743e7c90c9cde4cc1d15970ae055b0d8eb93f48f6baabc3202bbe35faea4
+# body-sha256: 17711190802a6c83ba2a780c35239c4b02805b960755a168d305012d0717ce9a
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_nomask_fp32_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -557,7 +557,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, config):

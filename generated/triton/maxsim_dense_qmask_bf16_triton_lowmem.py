@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_bf16_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "bf16", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 74fd4f562807ea4996ed632132365c26097b6220c7e2228ff88b0a489b269652
+# body-sha256: ce5cf070c9efa0c4fa917b2801f24f6685c3bbbea197d0e534cc77ca5759fd6f
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_bf16_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -527,6 +527,17 @@ GRAD_Q_WARPS = 1
 # to 4096 scan slots within 3% of 1024 (8192: colpali 32 0.038 -> 0.048).
 ROUTED_ROWS = 128
 SCAN_SLOTS = 1024
+# Shared memory the listed rows' [rows, head dim] operand may take: fp32's tf32x3 dots
+# keep a high and a low part of it, 256 KB at 128 rows and head dim 256 (more than an
+# H100 or H200 has), so there the steps take fewer rows.
+ROUTED_ROWS_BYTES = 128 * 1024
+
+
+def routed_rows(block_k, input_precision):
+    """Listed query tokens per grad_D step: ROUTED_ROWS, fewer where their operand would
+    outgrow ROUTED_ROWS_BYTES."""
+    operand = 8 if input_precision == "tf32x3" else 2
+    return min(ROUTED_ROWS, ROUTED_ROWS_BYTES // (block_k * operand))
 
 
 def backward(grad_out, argmax, Q, D, *, config):
@@ -590,7 +601,7 @@ def backward(grad_out, argmax, Q, D, *, config):
         GD_strides[0],
         GD_strides[1],
         GD_strides[2],
-        BLOCK_R=ROUTED_ROWS,
+        BLOCK_R=routed_rows(config.block_k, input_precision),
         SPLIT_G=dot_dtype != tl.float32,
         BLOCK_L=config.block_l,
         BLOCK_K=config.block_k,

@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6858f5adb7ea5a2a59da872e62345efdb41db4d18bce7e76a1b48adbcc93ef71
+# body-sha256: f1931308b5e80ebba2800fa068d25c0e104c5f78adef6c397959fc16455cd2d9
 
 """MaxSim forward for maxsim_dense_qmask_fp32_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -330,7 +330,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM, DOC_SPLITS):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, q_mask, *, config):

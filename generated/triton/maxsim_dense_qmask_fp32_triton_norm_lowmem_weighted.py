@@ -2,7 +2,7 @@
 # variant: maxsim_dense_qmask_fp32_triton_norm_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "q", "normalize": true, "op": "maxsim", "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: f66e4321c001cdf474ae99fbf303a184a69a44c706226b190e47d4777599b937
+# body-sha256: 414f53a1c8a6ee009da8d53d310cd4e5f0e947f791dc49e3af71e596e9d2d490
 
 """MaxSim training (lowmem backward) for maxsim_dense_qmask_fp32_triton_norm_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -422,7 +422,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def lowmem_q_grid(Nq):

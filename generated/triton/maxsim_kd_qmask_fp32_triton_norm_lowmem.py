@@ -2,7 +2,7 @@
 # variant: maxsim_kd_qmask_fp32_triton_norm_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "dtype": "fp32", "layout": "kd", "mask": "q", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1d97b212776e3a7bb0a034a381798aaeeb99c04d2d2fc1d8a0688c8133f35a26
+# body-sha256: 1ff37b9e8965440c38b9e218d8309af7c1f969e4c34706ed07c970f68e566504
 
 """MaxSim training (lowmem backward) for maxsim_kd_qmask_fp32_triton_norm_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -328,7 +328,7 @@ def forward_grid(Nq, K):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def lowmem_q_grid(Nq, Lq, GRAD_Q_TOKENS):

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2cf81cac5db4ee249e69dd3af5f92426ae236799a51c9093d8fd485194d996e2
+# body-sha256: 6d9b4aac489ff2a3ae6da25fb6fa76021de1fc023af1f501287438a28305ce2c
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -300,7 +300,7 @@ def forward_grid(P):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def unified_grid(P):

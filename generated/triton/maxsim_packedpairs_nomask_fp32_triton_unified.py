@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0e2c8bfa7964e1162f7d95765a8de41ea537c8e225277bd00585c6d2f9a97a0d
+# body-sha256: b26fbd4e6a85f65d521ad65b63ba0bb757019115bde62be634104ec254544e1f
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -252,7 +252,7 @@ def forward_grid(P):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def unified_grid(P):

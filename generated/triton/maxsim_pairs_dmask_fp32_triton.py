@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1ac40ef5654dc59e5883c76b97680d49a15a061631ad0a912d70760e679f93ea
+# body-sha256: cede71e0ff23bace778f8f057e10cc81f8a884ee4aa3926a893908d4db0e4213
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -131,7 +131,7 @@ def forward_grid(B):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, d_mask, *, config):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_dmask_fp32_triton_norm_topkmean
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "d", "normalize": true, "op": "maxsim", "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: b7442815d20cf57c6d1be399243363cbcfeb26f473b25b0c9e637efd30b2f160
+# body-sha256: 299fd033e0129639db1f810a199ca32b49f10a903fcc35d5aa8a8409b1bb056a
 
 """MaxSim forward for maxsim_pairs_dmask_fp32_triton_norm_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -199,7 +199,7 @@ def forward_grid(B):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, d_mask, *, token_k, token_slots, config):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 89d57783273618903863483b498fd9a71b1d1100803bd65218bba0bc152bbcb5
+# body-sha256: 11e665ce84a5e45959d44f9be27088e6831a173746e466fa4acb202f7e9b3534
 
 """MaxSim forward for maxsim_pairs_nomask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -133,7 +133,7 @@ def forward_grid(B):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, *, config):

@@ -2,7 +2,7 @@
 # variant: maxsim_pairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 172f855595a2c6f07b15eec2aa0d87a50487f6931627ad96b27e7b37a80752c0
+# body-sha256: 583ea99878b3be9ee0657d48582671cd30ec5d11da072353f90b64fc1c8e324c
 
 """MaxSim training (unified backward) for maxsim_pairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -222,7 +222,7 @@ def forward_grid(B):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def unified_grid(B):

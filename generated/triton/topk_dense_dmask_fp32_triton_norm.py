@@ -2,7 +2,7 @@
 # variant: topk_dense_dmask_fp32_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp32", "layout": "dense", "mask": "d", "normalize": true, "op": "topk", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: ef2e551679f7071e38fea438c89338a9e381f0a4bb63e3047b307e1fae74c9ab
+# body-sha256: 868a2fe051751b91072c3432a2b5a1721910c16a9afb68f648dbfe7032756435
 
 """MaxSim top-k candidates (retrieval) for topk_dense_dmask_fp32_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -201,7 +201,7 @@ def forward_grid(Nq, Nd, QUERY_GROUP, DOCS_PER_PROGRAM):
 
 def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages):
     """Shared memory of the forward: pipelined doc tiles plus the query tile."""
-    return 4 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
+    return 8 * BLOCK_K * (BLOCK_L * num_stages + BLOCK_Q)
 
 
 def launch(out, Q, D, d_mask, *, cand_docs, config):
