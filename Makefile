@@ -23,7 +23,7 @@ INTEGRATIONS := pylate==1.6.0 colpali-engine==0.3.18 \
 	scipy==1.17.1 scikit-learn==1.9.1 joblib==1.6.0 threadpoolctl==3.8.0 \
 	narwhals==2.29.0 cloudpickle==3.1.3 pillow==13.0.0
 
-.PHONY: setup setup-integrations generate check lint test demo bench tune test-gpu clean
+.PHONY: setup setup-integrations generate check lint test demo bench soak tune test-gpu clean
 
 setup: $(STAMP) $(INTEGRATIONS_STAMP)
 
@@ -62,6 +62,13 @@ BENCHES := forward train backward ragged retrieve variants fp8 plaid head cold_s
 
 bench:
 	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done
+
+# Random public calls against the float64 reference on this GPU, SOAK_WORKERS processes
+# for SOAK_SECONDS each (compiling dominates); writes benchmarks/results/soak_<card>.*.
+SOAK_SECONDS ?= 600
+SOAK_WORKERS ?= 8
+soak:
+	python3 -P benchmarks/soak.py --seconds $(SOAK_SECONDS) --workers $(SOAK_WORKERS)
 
 # Sweeps launch configs for the benchmark shapes on this GPU and rewrites the committed
 # table runtime/tuning/<family>.toml, or with TUNE_ARGS="--card --shapes ..." this card's

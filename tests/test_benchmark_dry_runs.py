@@ -74,3 +74,20 @@ def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path
             assert result["parity_rel_err"] < 1e-3, result
         else:
             assert result["parity_ok"], result
+
+
+def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
+    # Under the interpreter, tiny sizes: the same cases a GPU soak draws, scaled down.
+    soak = [sys.executable, str(BENCHMARKS / "soak.py"), "--dry-run"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([*soak, "--seconds", "8", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads((tmp_path / "soak_dry-run.json").read_text())
+    assert report["result"]["failures"] == []
+    cases = report["result"]["cases"]
+    assert sum(cases.values()) >= 10 and cases.get("maxsim, gradients", 0) >= 1
+    assert "| maxsim |" in (tmp_path / "soak_dry-run.md").read_text()
+    replayed = subprocess.run([*soak, "--case", "12345"], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+    assert replayed.returncode == 0 and "case 12345: " in replayed.stdout, replayed.stderr[-2000:]
