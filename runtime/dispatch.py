@@ -713,10 +713,12 @@ TOPK_DOCS_PER_PROGRAM = (16, 1024)
 def topk_candidates(Q, D, q_mask, d_mask, normalize: bool, k: int):
     """Each doc block's best top_k (scores fp32, docs int64) per query, from the top-k
     epilogue: [Nq, blocks, K] each, with K = k rounded up to a power of two. Empty
-    slots score -inf with negative docs. Q [Nq, Lq <= LQ_CHUNK, d], D [Nd, Ld, d]."""
+    slots score -inf with negative docs. Q [Nq, Lq, d] of at most query_chunk tokens,
+    D [Nd, Ld, d]."""
     name = variant_name("dense", q_mask is not None, d_mask is not None, normalize, Q.dtype,
                         op="topk")  # fmt: skip
     module = registry.load(name)
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
     Nq, Nd = Q.shape[0], D.shape[0]
     config = _config(name, module, Q, Q.shape[1], Nq * Nd)
     groups = -(-Nq // config.query_group)
