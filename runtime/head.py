@@ -209,6 +209,10 @@ def _smaller(config: HeadConfig) -> HeadConfig | None:
         return dataclasses.replace(config, block_l=config.block_l // 2)
     if config.query_group > 1:
         return dataclasses.replace(config, query_group=config.query_group // 2)
+    if config.block_q > MIN_BLOCK:  # the kernel walks a query's tokens in block_q chunks
+        # fp32 dots (tf32x3) keep two parts of each operand: 128 query tokens at head dim
+        # 256 alone take 256 KB.
+        return dataclasses.replace(config, block_q=config.block_q // 2)
     return None
 
 

@@ -593,3 +593,17 @@ def test_gpu_gradients(case, dtype, training_path):
         err = relative_error(grad, ref_grad)
         assert err < TOLERANCE[torch_dtype], f"grad_{label}: relative error {err:.3g}"
     assert torch.all(grads[1][1] == 0)  # the fully masked doc
+
+
+def test_a_config_that_does_not_fit_shrinks_down_to_16_query_tokens():
+    # Stages, then d_model and doc tiles, stacked queries, and last the query tile (the
+    # kernel walks a query's tokens in chunks of it): fp32 at head dim 256 needs 256 KB for
+    # a 128-token query tile alone, more than an H100 or H200 has.
+    config = HeadConfig(block_q=128, block_l=128, block_m=64, block_k=256, query_group=2,
+                        num_warps=8, num_stages=3)  # fmt: skip
+    steps = [config]
+    while (smaller := head._smaller(steps[-1])) is not None:
+        steps.append(smaller)
+    last = steps[-1]
+    assert (last.num_stages, last.block_m, last.block_l, last.query_group) == (1, 16, 16, 1)
+    assert [s.block_q for s in steps if s.query_group == 1][-4:] == [128, 64, 32, 16]
