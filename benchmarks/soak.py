@@ -14,8 +14,9 @@ the test suite's tolerances. A case is replayed from its seed alone.
 Compiling dominates a GPU soak (most cases key a new kernel specialization), so --workers
 runs that many processes with their own seeds side by side; a worker whose CUDA context
 breaks (an illegal address) records the case and stops. A first soak of an H200 found
-queries whose tile outgrew shared memory (fp32, or head dim 256 past 256 tokens) and docs
-stored token-major faulting under nested docs; both are tests now.
+queries whose tile outgrew shared memory (fp32, or head dim 256 past 256 tokens), docs
+stored token-major faulting under nested docs and bf16 fused-head gradients off by up to
+10% (docs rounded before scoring); all three are tests now.
 """
 
 from __future__ import annotations
@@ -280,9 +281,7 @@ def head_case(draw: Draw, grad: bool):
     from lik.runtime.head import maxsim_from_hidden
     from lik.runtime.reference import maxsim_from_hidden_reference
 
-    # Gradients in fp32 only: in bf16/fp16 the training path rounds the projected docs to
-    # the inputs' dtype, so near-tied doc tokens trade places against float64.
-    dtype = torch.float32 if grad else draw.choice(DTYPES)
+    dtype = draw.choice(DTYPES)
     s = draw.scale
     nq, lq = draw.size(1, min(16, s.queries)), draw.size(1, min(64, s.query_tokens))
     nd, ld = draw.size(1, min(200, s.docs)), draw.size(1, min(600, s.doc_tokens))
