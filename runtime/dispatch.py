@@ -543,10 +543,10 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
     per_token = {key: value for key, value in per_token.items() if value is not None}
     sizes = {"docs": docs, "doc_tokens": doc_tokens, "adjust": adjust}
     # One launch, no slicing: the common case (this runs every call).
-    chunk = LQ_CHUNK if lq <= ALWAYS_FITTING_QUERY_TOKENS else query_chunk(module, Q)
-    if lq <= chunk:
+    tokens = LQ_CHUNK if lq <= ALWAYS_FITTING_QUERY_TOKENS else query_chunk(module, Q)
+    if lq <= tokens:
         return launch_keyed(name, module, Q, lq, out, Q=Q, **shared, **per_token, **sizes)
-    for start, stop in _chunks(lq, chunk):
+    for start, stop in _chunks(lq, tokens):
         sliced = {k: v[..., start:stop] for k, v in per_token.items()}
         target = out if start == 0 else torch.empty_like(out)
         chunk = Q[:, start:stop]

@@ -82,6 +82,7 @@ def explain_forward(
     if card is None:
         card = gpu_card(device)
     strategy = "none" if backward is None else choose_backward(backward, "dense", nq, nd)
+
     def key_for(query_tokens):
         return tune.key_for(("call", nq, nd, query_tokens, ld, d), family, dtype, card,
                             q_mask=q_mask, d_mask=d_mask, backward=strategy)  # fmt: skip

@@ -300,8 +300,8 @@ def _backward(grad_scores, argmax, Q, H, W, b, normalize: bool, needs: tuple[boo
 
 # Training calls whose projected docs hold at most this many values (Nd * Ld * d) take
 # _composed_scores, which keeps 8 bytes per value until the backward (the fp32
-# projection the normalization saves, the normalized fp32 docs maxsim saves): at most 128 MiB,
-# under the fused backward's chunk budget (BACKWARD_CHUNK_ELEMENTS fp32 values). An
+# projection the normalization saves, the normalized fp32 docs maxsim saves): at most
+# 128 MiB, under the fused backward's chunk budget (BACKWARD_CHUNK_ELEMENTS fp32 values). An
 # in-batch step of 32 docs of 300 tokens projected to 128 has 1.2M.
 COMPOSED_TRAINING_MAX_DOC_VALUES = 1 << 24
 
@@ -313,11 +313,12 @@ def _composed_scores(Q, H, W, b, d_mask, normalize: bool) -> torch.Tensor:
     fused backward's re-projection and winner gathers.
 
     The normalization is one rms_norm, which leaves each token at norm sqrt(d), so the
-    scores are divided by sqrt(d) after the maxsim. The step is paced by the host, and rms_norm is one op
-    where F.normalize in fp32 was five: H200, an in-batch step of 32 x 32 docs of 300
-    tokens, 768 -> 128, 1.53-1.65 -> 0.93-1.36 ms back to back, LIK 0.4.5 1.35-1.56
-    (benchmarks/results/head_training_norm_H200.md). Its eps, 1e-24 / d inside the mean,
-    matches F.normalize's 1e-12 floor on the norm except for tokens of norm near 1e-12."""
+    scores are divided by sqrt(d) after the maxsim. The step is paced by the host, and
+    rms_norm is one op where F.normalize in fp32 was five: H200, an in-batch step of 32 x
+    32 docs of 300 tokens, 768 -> 128 (bf16 docs then), 1.53-1.65 -> 0.93-1.36 ms back to
+    back, LIK 0.4.5 1.35-1.56 (benchmarks/results/head_training_norm_H200.md). Its eps,
+    1e-24 / d inside the mean, matches F.normalize's 1e-12 floor on the norm except for
+    tokens of norm near 1e-12."""
     # fp32 docs (and queries) for bf16/fp16 inputs: docs rounded to the inputs' dtype move
     # near-tied winners, and with them whole gradient rows (bf16 on the CPU, 40 random
     # in-batch cases against float64: gradient error up to 0.31, 13 over 1e-2, against
