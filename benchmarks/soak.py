@@ -3,9 +3,10 @@
 Each case draws what users pass: layouts (in-batch, KD, pairs, one query, one doc),
 dtypes, sizes from one token to thousands (across the runtime's strategy thresholds and
 query chunks), masks, normalization, memory layouts (contiguous, sliced, permuted
-storage) and backward strategies; ragged batches and pair lists, retrieval, fp8 docs, the
-fused head and PLAID docs. Scores and gradients are checked against the reference with
-the test suite's tolerances. A case is replayed from its seed alone.
+storage) and backward strategies; ragged batches and pair lists, retrieval, other token
+scores (weighted, smooth, top-k mean), fp8 docs, the fused head and PLAID docs. Scores
+and gradients are checked against the reference with the test suite's tolerances. A case
+is replayed from its seed alone.
 
     python3 benchmarks/soak.py --seconds 600 --workers 8   # GPU; report in --out
     python3 benchmarks/soak.py --case SEED                 # replay one case
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import environment_info, gpu_tag, markdown_table, provenance, relative_error, write_json
+from common import environment_info, gpu_tag, markdown_table, provenance, write_json
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 FP8_TOLERANCE = 5e-2
@@ -178,6 +179,49 @@ def maxsim_case(draw: Draw, grad: bool):
             leak = grad_[~mask]
             checks.append((f"grad_{name} of masked tokens", leak, torch.zeros_like(leak), 0.0))
     return info, checks
+
+
+def token_score_case(draw: Draw, grad: bool):
+    from lik.runtime import maxsim_smooth, maxsim_topk_mean, maxsim_weighted
+    from lik.runtime.reference import maxsim_scored_reference
+
+    score = draw.choice(["weighted", "smooth", "topk_mean"])
+    pairs = draw.chance(0.3)
+    dtype = draw.choice(DTYPES)
+    nq, nd, lq, ld, d = draw.sizes(grad)
+    lq = min(lq, draw.scale.query_tokens)
+    q_shape, d_shape = (nq, lq, d), ((nq, ld, d) if pairs else (nd, ld, d))
+    Q, q_layout = draw.tensor(q_shape, dtype)
+    D, d_layout = draw.tensor(d_shape, dtype)
+    q_mask, d_mask = draw.mask(q_shape[:-1]), draw.mask(d_shape[:-1])
+    normalize = draw.chance(0.5)
+    options = {"weighted": {"weights": draw.randn(nq, lq).abs()},
+               "smooth": {"tau": draw.choice([0.02, 0.1, 1.0])},
+               "topk_mean": {"k": draw.size(1, 16)}}[score]  # fmt: skip
+    entry = {"weighted": maxsim_weighted, "smooth": maxsim_smooth,
+             "topk_mean": maxsim_topk_mean}[score]  # fmt: skip
+    info = {"entry": entry.__name__, "pairs": pairs, "dtype": str(dtype), "Q": q_shape,
+            "D": d_shape, "memory": (q_layout, d_layout), "q_mask": q_mask is not None,
+            "d_mask": d_mask is not None, "normalize": normalize,
+            "options": {k: (v if k != "weights" else "random") for k, v in options.items()},
+            "gradients": grad}  # fmt: skip
+
+    def scored(q, k):
+        if score == "weighted":
+            return entry(q, k, options["weights"], q_mask, d_mask, normalize=normalize,
+                         pairs=pairs)  # fmt: skip
+        return entry(q, k, q_mask, d_mask, normalize=normalize, pairs=pairs, **options)
+
+    def reference(q, k):
+        exact = {n: (v.double() if n == "weights" else v) for n, v in options.items()}
+        return maxsim_scored_reference(q, k, q_mask, d_mask, score=score, normalize=normalize,
+                                       pairs=pairs, **exact)  # fmt: skip
+
+    if grad:
+        return info, _with_gradients(draw, scored, reference, (Q, D), TOLERANCE[dtype], "QD")
+    with torch.no_grad():
+        out = scored(Q, D)
+    return info, [("scores", out, reference(Q.double(), D.double()), TOLERANCE[dtype])]
 
 
 def _offsets(lengths: list[int], device) -> torch.Tensor:
@@ -357,12 +401,22 @@ KINDS = {
     "head": (head_case, False, 1),
     "head, gradients": (head_case, True, 1),
     "plaid": (plaid_case, False, 1),
+    "token scores": (token_score_case, False, 1),
+    "token scores, gradients": (token_score_case, True, 1),
 }
 
 
 def kind_of(seed: int) -> str:
     names = list(KINDS)
     return random.Random(seed).choices(names, [KINDS[n][2] for n in names])[0]
+
+
+def error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, the norm floored at 1e-3 per element: scores can cancel
+    to 0 in float64 (two query tokens' exact +1 and -1 at head dim 1) and to 1e-7 in fp32."""
+    floor = 1e-3 * math.sqrt(want.numel())
+    diff = (got.double().to(want.device) - want.double()).norm()
+    return float(diff / max(float(want.double().norm()), floor))
 
 
 def problems(checks) -> list[str]:
@@ -373,8 +427,8 @@ def problems(checks) -> list[str]:
             found.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
         elif got.isnan().any() and not want.isnan().any():
             found.append(f"{name}: NaN")
-        elif got.numel() and (error := relative_error(got, want)) > tolerance:
-            found.append(f"{name}: relative error {error:.3g} > {tolerance:g}")
+        elif got.numel() and (found_error := error(got, want)) > tolerance:
+            found.append(f"{name}: relative error {found_error:.3g} > {tolerance:g}")
     return found
 
 
