@@ -22,9 +22,9 @@ import functools
 
 import torch
 
-from lik.runtime import dispatch, validate, workspace
-from lik.runtime.api import choose_backward
-from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
+from lik.runtime import dispatch, registry, validate, workspace
+from lik.runtime.api import choose_backward, maxsim
+from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES, variant_name
 from lik.runtime.reference import score_pairs_packed_reference
 
 
@@ -313,15 +313,33 @@ def pack_padded(
     )
 
 
+def _packed_query_tokens(queries: torch.Tensor) -> int:
+    """The query tokens a packed-pairs launch scores whole on queries' device."""
+    if dispatch.backend(queries.device) == "reference":
+        return LQ_CHUNK
+    name = variant_name("packed_pairs", False, False, False, queries.dtype)
+    return min(LQ_CHUNK, dispatch.query_chunk(registry.load(name), queries))
+
+
 def maxsim_padded(
     queries: torch.Tensor,
     documents: torch.Tensor,
     query_lengths: torch.Tensor,
     doc_lengths: torch.Tensor,
 ) -> torch.Tensor:
-    """Scores each query's C candidates -> [B, C] fp32, ignoring padding past the lengths."""
+    """Scores each query's C candidates -> [B, C] fp32, ignoring padding past the lengths.
+    Queries padded past what one packed launch scores whole (LQ_CHUNK tokens, fewer where
+    shared memory is short) are scored as maxsim's KD layout with length masks instead,
+    which splits them into chunks: the same scores."""
     batch = pack_padded(queries, documents, query_lengths, doc_lengths)
     B, C = documents.shape[0], documents.shape[1]
+    if batch.max_seqlen_q > _packed_query_tokens(queries):
+        Lq, Ld = queries.shape[1], documents.shape[2]
+        q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
+        d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)
+        q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
+        d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
+        return maxsim(queries, documents, q_mask, d_mask)
     if B * C == 0:
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
     scores = score_pairs_packed(

@@ -17,6 +17,7 @@ from lik.runtime import (
     registry,
     score_pairs_packed,
 )
+from lik.runtime.keys import LQ_CHUNK
 from lik.runtime.reference import maxsim_pairs_reference, score_pairs_packed_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -316,6 +317,28 @@ def test_pack_padded_and_maxsim_padded_match_masked_pairs():
         for c in range(C)
     ], dim=1)  # fmt: skip
     assert relative_error(scores, expected) < 1e-5
+    assert scores[0, 1] == 0
+
+
+@pytest.mark.parametrize("fitting", [LQ_CHUNK, 16])
+def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, fitting):
+    # Past what one packed launch holds (forced to 16 tokens here), the padded batch is
+    # scored as maxsim's KD layout with length masks: the same scores, chunked.
+    monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: fitting)
+    g = torch.Generator().manual_seed(13)
+    B, C, Lq, Ld, dim = 2, 3, 20, 9, 16
+    queries = torch.randn(B, Lq, dim, generator=g).to(DEVICE)
+    documents = torch.randn(B, C, Ld, dim, generator=g).to(DEVICE)
+    q_len = torch.tensor([20, 3], device=DEVICE)
+    d_len = torch.tensor([[9, 0, 4], [1, 9, 7]], device=DEVICE)
+    scores = maxsim_padded(queries, documents, q_len, d_len)
+    q_mask = torch.arange(Lq, device=DEVICE)[None] < q_len[:, None]
+    d_mask = torch.arange(Ld, device=DEVICE)[None, None] < d_len[..., None]
+    expected = torch.stack([
+        maxsim_pairs_reference(queries.double(), documents[:, c].double(), q_mask, d_mask[:, c])
+        for c in range(C)
+    ], dim=1)  # fmt: skip
+    assert scores.shape == (B, C) and relative_error(scores, expected) < 1e-5
     assert scores[0, 1] == 0
 
 
