@@ -333,6 +333,8 @@ def maxsim_padded(
     which splits them into chunks: the same scores."""
     batch = pack_padded(queries, documents, query_lengths, doc_lengths)
     B, C = documents.shape[0], documents.shape[1]
+    if B * C == 0:
+        return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
     if batch.max_seqlen_q > _packed_query_tokens(queries):
         Lq, Ld = queries.shape[1], documents.shape[2]
         q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
@@ -340,12 +342,10 @@ def maxsim_padded(
         q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
         d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
         return maxsim(queries, documents, q_mask, d_mask)
-    if B * C == 0:
-        return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
     scores = score_pairs_packed(
         batch.Q_packed, batch.D_packed, batch.cu_seqlens_q, batch.cu_seqlens_d,
         batch.pair_q_idx, batch.pair_d_idx,
-        max_seqlen_q=min(batch.max_seqlen_q, LQ_CHUNK) if batch.max_seqlen_q <= LQ_CHUNK else None,
+        max_seqlen_q=batch.max_seqlen_q,
         max_seqlen_d=batch.max_seqlen_d,
     )  # fmt: skip
     return scores.view(B, C)
