@@ -298,24 +298,31 @@ def _compiled_kernels(kernel) -> set:
     return set(kernel.device_caches[torch.cuda.current_device()][0])
 
 
-def test_pack_padded_and_maxsim_padded_match_masked_pairs():
-    g = torch.Generator().manual_seed(12)
-    B, C, Lq, Ld, dim = 2, 3, 6, 9, 16
+def _padded_batch(seed: int, q_len: list[int]):
+    """(queries [2, max(q_len), 16], documents [2, 3, 9, 16], query and doc lengths, the
+    scores of masked pairs in float64); the first query's second doc is empty."""
+    g = torch.Generator().manual_seed(seed)
+    B, C, Lq, Ld, dim = 2, 3, max(q_len), 9, 16
     queries = torch.randn(B, Lq, dim, generator=g).to(DEVICE)
     documents = torch.randn(B, C, Ld, dim, generator=g).to(DEVICE)
-    q_len = torch.tensor([6, 2], device=DEVICE)
-    d_len = torch.tensor([[9, 0, 4], [1, 9, 7]], device=DEVICE)
-    batch = pack_padded(queries, documents, q_len, d_len)
-    assert isinstance(batch, PackedBatch) and len(tuple(batch)) == 8
-    Q_packed, cu_q, *_ = batch
-    assert Q_packed.shape == (8, dim) and cu_q.tolist() == [0, 6, 8]
-    scores = maxsim_padded(queries, documents, q_len, d_len)
-    q_mask = torch.arange(Lq, device=DEVICE)[None] < q_len[:, None]
-    d_mask = torch.arange(Ld, device=DEVICE)[None, None] < d_len[..., None]
+    query_lengths = torch.tensor(q_len, device=DEVICE)
+    doc_lengths = torch.tensor([[9, 0, 4], [1, 9, 7]], device=DEVICE)
+    q_mask = torch.arange(Lq, device=DEVICE)[None] < query_lengths[:, None]
+    d_mask = torch.arange(Ld, device=DEVICE)[None, None] < doc_lengths[..., None]
     expected = torch.stack([
         maxsim_pairs_reference(queries.double(), documents[:, c].double(), q_mask, d_mask[:, c])
         for c in range(C)
     ], dim=1)  # fmt: skip
+    return queries, documents, query_lengths, doc_lengths, expected
+
+
+def test_pack_padded_and_maxsim_padded_match_masked_pairs():
+    queries, documents, q_len, d_len, expected = _padded_batch(12, [6, 2])
+    batch = pack_padded(queries, documents, q_len, d_len)
+    assert isinstance(batch, PackedBatch) and len(tuple(batch)) == 8
+    Q_packed, cu_q, *_ = batch
+    assert Q_packed.shape == (8, 16) and cu_q.tolist() == [0, 6, 8]
+    scores = maxsim_padded(queries, documents, q_len, d_len)
     assert relative_error(scores, expected) < 1e-5
     assert scores[0, 1] == 0
 
@@ -325,20 +332,9 @@ def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, f
     # Past what one packed launch holds (forced to 16 tokens here), the padded batch is
     # scored as maxsim's KD layout with length masks: the same scores, chunked.
     monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: fitting)
-    g = torch.Generator().manual_seed(13)
-    B, C, Lq, Ld, dim = 2, 3, 20, 9, 16
-    queries = torch.randn(B, Lq, dim, generator=g).to(DEVICE)
-    documents = torch.randn(B, C, Ld, dim, generator=g).to(DEVICE)
-    q_len = torch.tensor([20, 3], device=DEVICE)
-    d_len = torch.tensor([[9, 0, 4], [1, 9, 7]], device=DEVICE)
+    queries, documents, q_len, d_len, expected = _padded_batch(13, [20, 3])
     scores = maxsim_padded(queries, documents, q_len, d_len)
-    q_mask = torch.arange(Lq, device=DEVICE)[None] < q_len[:, None]
-    d_mask = torch.arange(Ld, device=DEVICE)[None, None] < d_len[..., None]
-    expected = torch.stack([
-        maxsim_pairs_reference(queries.double(), documents[:, c].double(), q_mask, d_mask[:, c])
-        for c in range(C)
-    ], dim=1)  # fmt: skip
-    assert scores.shape == (B, C) and relative_error(scores, expected) < 1e-5
+    assert scores.shape == (2, 3) and relative_error(scores, expected) < 1e-5
     assert scores[0, 1] == 0
 
 
