@@ -101,6 +101,14 @@ def query_chunk(module, Q: torch.Tensor) -> int:
     return family_query_chunk(module, Q.shape[-1], gpu_family(Q.device))
 
 
+def layout_query_chunk(layout: str, Q: torch.Tensor, op: str = "maxsim") -> int:
+    """query_chunk of `layout`'s `op` kernels for Q, whose masked and normalizing variants
+    share one tile model; LQ_CHUNK where Q takes the reference path."""
+    if backend_of(Q) == "reference":
+        return LQ_CHUNK
+    return query_chunk(registry.load(variant_name(layout, False, False, False, Q.dtype, op=op)), Q)
+
+
 def family_query_chunk(module, d: int, family: str) -> int:
     """query_chunk for head dim d on a GPU of `family` ("interpreter": LQ_CHUNK, no shared
     memory to run out of)."""

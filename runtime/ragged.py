@@ -22,9 +22,9 @@ import functools
 
 import torch
 
-from lik.runtime import dispatch, registry, validate, workspace
+from lik.runtime import dispatch, validate, workspace
 from lik.runtime.api import choose_backward, maxsim
-from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES, variant_name
+from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
 
 
@@ -313,14 +313,6 @@ def pack_padded(
     )
 
 
-def _packed_query_tokens(queries: torch.Tensor) -> int:
-    """The query tokens a packed-pairs launch scores whole on queries' device."""
-    if dispatch.backend(queries.device) == "reference":
-        return LQ_CHUNK
-    name = variant_name("packed_pairs", False, False, False, queries.dtype)
-    return min(LQ_CHUNK, dispatch.query_chunk(registry.load(name), queries))
-
-
 def maxsim_padded(
     queries: torch.Tensor,
     documents: torch.Tensor,
@@ -335,7 +327,7 @@ def maxsim_padded(
     B, C = documents.shape[0], documents.shape[1]
     if B * C == 0:
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
-    if batch.max_seqlen_q > _packed_query_tokens(queries):
+    if batch.max_seqlen_q > dispatch.layout_query_chunk("packed_pairs", queries):
         Lq, Ld = queries.shape[1], documents.shape[2]
         q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
         d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)

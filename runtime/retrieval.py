@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lik.runtime import dispatch, registry, validate
+from lik.runtime import dispatch, validate
 from lik.runtime.api import maxsim
-from lik.runtime.keys import LQ_CHUNK, variant_name
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
 _D_DOC = "[Nd, Ld, d]"
@@ -218,17 +217,9 @@ def _epilogue_applies(Q, D, k, chunk, largest) -> bool:
         and largest
         and 0 < k <= TOPK_MAX_K
         and D.shape[0] > 0
-        and Q.shape[-2] <= LQ_CHUNK
         and dispatch.backend(Q.device) in ("triton", "interpreter")
-        and Q.shape[-2] <= _query_tokens_per_launch(Q)
+        and Q.shape[-2] <= dispatch.layout_query_chunk("dense", Q, op="topk")
     )
-
-
-def _query_tokens_per_launch(Q) -> int:
-    """The query tokens one top-k launch holds (dispatch.query_chunk: fewer than LQ_CHUNK
-    where shared memory is short); the top-k kernels of a dtype share one tile model."""
-    module = registry.load(variant_name("dense", False, False, False, Q.dtype, op="topk"))
-    return dispatch.query_chunk(module, Q)
 
 
 def retrieve(
