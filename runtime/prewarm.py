@@ -27,6 +27,7 @@ ROCm. LIK_PREWARM=0 turns it off; LIK_PREWARM=1 forces it (e.g. on a CPU build).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import os
@@ -185,6 +186,9 @@ def start() -> threading.Thread | None:
     _thread.start()
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(before=wait)
+    # A daemon thread still hashing in native code when the interpreter finalizes is
+    # killed there, which can abort the process ("FATAL: exception not rethrown").
+    atexit.register(wait)
     return _thread
 
 

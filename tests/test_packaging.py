@@ -76,6 +76,17 @@ def test_prewarm_imports_triton_and_keys_its_cache_in_a_background_thread(tmp_pa
     assert key_second == key_first and len(key_first) > 1000
 
 
+def test_a_process_that_exits_at_once_waits_for_the_warm_up(tmp_path):
+    # Exiting while the daemon thread still hashes in native code could abort the process;
+    # the exit waits for it instead, so the thread also finishes saving Triton's key.
+    env = {"LIK_PREWARM": "1", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = _run([sys.executable, "-c", "import lik"], cwd=tmp_path, extra_env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "FATAL" not in proc.stderr
+    saved = list((tmp_path / "cache" / "lik_triton_key").glob("*.txt"))
+    assert len(saved) == 1 and len(saved[0].read_text()) > 1000
+
+
 @pytest.mark.gpu
 def test_prewarm_looks_up_the_compile_backend_once_cuda_is_up(tmp_path):
     import torch
