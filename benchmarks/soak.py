@@ -245,12 +245,13 @@ def ragged_case(draw: Draw, grad: bool):
     lq = _lengths(draw, draw.size(1, 24), draw.size(1, min(256, s.query_tokens)))
     ld = _lengths(draw, draw.size(1, 24), draw.size(1, s.doc_tokens * 2))
     cu_q, cu_d = _offsets(lq, draw.device), _offsets(ld, draw.device)
-    Q, D = draw.randn(sum(lq), d, dtype=dtype), draw.randn(sum(ld), d, dtype=dtype)
+    Q, q_layout = draw.tensor((sum(lq), d), dtype)
+    D, d_layout = draw.tensor((sum(ld), d), dtype)
     normalize = draw.chance(0.5)
     bounds = (max(lq), max(ld)) if draw.chance(0.5) else (None, None)
     kw = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d, "normalize": normalize}
     info = {"entry": "maxsim_varlen", "dtype": str(dtype), "query lengths": lq,
-            "doc lengths": ld, "d": d, "normalize": normalize,
+            "doc lengths": ld, "d": d, "memory": (q_layout, d_layout), "normalize": normalize,
             "bounds given": bounds[0] is not None}  # fmt: skip
     if draw.chance(0.5):
         backward = draw.choice([None, "unified", "lowmem"])
@@ -286,10 +287,11 @@ def retrieve_case(draw: Draw, grad: bool):
 
     dtype = draw.choice(DTYPES)
     nq, nd, lq, ld, d = draw.sizes(grad=False)
-    Q, D = draw.randn(nq, lq, d, dtype=dtype), draw.randn(nd, ld, d, dtype=dtype)
+    Q, q_layout = draw.tensor((nq, lq, d), dtype)
+    D, d_layout = draw.tensor((nd, ld, d), dtype)
     top_k, chunk = draw.size(1, 200), draw.choice([None, draw.size(1, nd)])
     info = {"entry": "retrieve", "dtype": str(dtype), "Q": (nq, lq, d), "D": (nd, ld, d),
-            "top_k": top_k, "chunk": chunk}  # fmt: skip
+            "memory": (q_layout, d_layout), "top_k": top_k, "chunk": chunk}  # fmt: skip
     with torch.no_grad():
         scores, ids = retrieve(Q, D, top_k, chunk=chunk)
         full = maxsim(Q, D, normalize=True)
@@ -330,14 +332,16 @@ def head_case(draw: Draw, grad: bool):
     nq, lq = draw.size(1, min(16, s.queries)), draw.size(1, min(64, s.query_tokens))
     nd, ld = draw.size(1, min(200, s.docs)), draw.size(1, min(600, s.doc_tokens))
     d_model, d = draw.choice([64, 100, 256, 768]), draw.choice([16, 32, 64, 96, 128])
-    Q = F.normalize(draw.randn(nq, lq, d), dim=-1).to(dtype)
-    H = draw.randn(nd, ld, d_model, dtype=dtype)
-    W = (draw.randn(d, d_model) * d_model**-0.5).to(dtype)
+    Q, q_layout = draw.tensor((nq, lq, d), dtype)
+    H, h_layout = draw.tensor((nd, ld, d_model), dtype)
+    W, w_layout = draw.tensor((d, d_model), dtype)
+    W = W * d_model**-0.5  # a product keeps its operand's strides
     b = (draw.randn(d) * 0.03).to(dtype) if draw.chance(0.5) else None
     d_mask, normalize = draw.mask((nd, ld), 0.3), draw.chance(0.7)
     info = {"entry": "maxsim_from_hidden", "dtype": str(dtype), "Q": (nq, lq, d),
-            "H": (nd, ld, d_model), "bias": b is not None, "d_mask": d_mask is not None,
-            "normalize": normalize, "gradients": grad}  # fmt: skip
+            "H": (nd, ld, d_model), "memory": (q_layout, h_layout, w_layout),
+            "bias": b is not None, "d_mask": d_mask is not None, "normalize": normalize,
+            "gradients": grad}  # fmt: skip
     inputs, names = (Q, H, W) + ((b,) if b is not None else ()), "QHWb"[: 3 + (b is not None)]
 
     def score(*t):
@@ -372,10 +376,10 @@ def plaid_case(draw: Draw, grad: bool):
                             dtype=torch.int32)  # fmt: skip
     centroids = F.normalize(draw.randn(centroids_n, d), dim=-1).to(dtype)
     weights = torch.sort(draw.randn(2**nbits) * 0.03).values.to(dtype)
-    Q = draw.randn(nq, lq, d, dtype=dtype)
+    Q, q_layout = draw.tensor((nq, lq, d), dtype)
     varlen = draw.chance(0.5)
     info = {"entry": "maxsim_residual_varlen" if varlen else "maxsim_residual", "nbits": nbits,
-            "dtype": str(dtype), "Q": (nq, lq, d), "docs": docs, "Ld": ld,
+            "dtype": str(dtype), "Q": (nq, lq, d), "memory": q_layout, "docs": docs, "Ld": ld,
             "centroids": centroids_n}  # fmt: skip
     with torch.no_grad():
         if varlen:
