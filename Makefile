@@ -68,7 +68,7 @@ bench:
 SOAK_SECONDS ?= 600
 SOAK_WORKERS ?= 8
 soak:
-	python3 -P benchmarks/soak.py --seconds $(SOAK_SECONDS) --workers $(SOAK_WORKERS)
+	python3 benchmarks/soak.py --seconds $(SOAK_SECONDS) --workers $(SOAK_WORKERS)
 
 # Sweeps launch configs for the benchmark shapes on this GPU and rewrites the committed
 # table runtime/tuning/<family>.toml, or with TUNE_ARGS="--card --shapes ..." this card's

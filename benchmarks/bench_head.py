@@ -32,6 +32,7 @@ from common import (
     format_ms,
     format_ratio,
     gpu_tag,
+    graph_replay,
     markdown_table,
     measure_ceilings,
     peak_extra_memory_mib,
@@ -158,16 +159,25 @@ def parity_docs(shape: HeadShape, device) -> torch.Tensor:
 
 def training_step(scores: Callable, Q, H, W, b):
     """Forward + backward to every input; returns the gradients (peak memory counts them)."""
-    weights = torch.linspace(-1, 1, Q.shape[0] * H.shape[0], device=Q.device)
+    weights = torch.linspace(-1, 1, Q.shape[0] * H.shape[0], device=Q.device, dtype=torch.float64)
     out = scores(Q, H, W, b)
-    return torch.autograd.grad((out * weights.view_as(out)).sum(), (Q, H, W, b))
+    return torch.autograd.grad((out * weights.view_as(out).to(out.dtype)).sum(), (Q, H, W, b))
+
+
+def reference_gradients(Q, H, W, b) -> list[torch.Tensor]:
+    """The training step's gradients in float64, every doc."""
+    from lik.runtime.reference import maxsim_from_hidden_reference
+
+    f64 = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
+    return list(training_step(maxsim_from_hidden_reference, *f64))
 
 
 # ---------------------------------------------------------------------------------------
 # Measuring
 
 
-def measure(key: str, shape: HeadShape, inputs, reference, docs, floor_ms, args) -> dict:
+def measure(key: str, shape: HeadShape, inputs, reference, docs, floor_ms, args,
+            reference_grads=None) -> dict:  # fmt: skip
     result = {"ms": None, "peak_mib": None, "parity_rel_err": None, "first_call_s": None}
     if args.dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
         return {**result, "error": "skipped in dry run"}
@@ -185,6 +195,12 @@ def measure(key: str, shape: HeadShape, inputs, reference, docs, floor_ms, args)
         return {**result, "error": error}
     result["parity_rel_err"], result["first_call_s"] = parity
     result["parity_ok"] = parity[0] <= PARITY_TOLERANCE
+    if reference_grads is not None:
+        grads, error = attempt(lambda: training_step(scores, *inputs))
+        result["grad_rel_err"] = error or {
+            name: relative_error(got, want)
+            for name, got, want in zip("QHWb", grads, reference_grads, strict=True)
+        }
 
     def call():
         if shape.train:
@@ -202,6 +218,11 @@ def measure(key: str, shape: HeadShape, inputs, reference, docs, floor_ms, args)
     if error:
         return {**result, "error": error}
     result["ms"], result["peak_mib"] = timed
+    if shape.train and not args.dry_run:  # the step's host work outlasts its kernels
+        timing = TIMING["quick" if args.quick else "full"]
+        result["gpu_ms"], result["gpu_error"] = attempt(
+            lambda: bench_ms(graph_replay(call, warmup_calls=2), **timing)
+        )
     result["pct_floor"] = percent_of_roofline(floor_ms, result["ms"])
     result["error"] = None
     return result
@@ -266,6 +287,7 @@ def measure_shape(shape: HeadShape, keys, ceilings, device, args) -> dict:
     inputs = make_inputs(shape, device, requires_grad=shape.train)
     docs = parity_docs(shape, device)
     reference = reference_scores(*inputs, docs)
+    reference_grads = reference_gradients(*inputs) if shape.train else None
     memory_ms = compute_ms = None
     if ceilings:
         memory_ms = shape.bytes_moved() / (ceilings["copy_tbps"] * 1e12) * 1e3
@@ -284,7 +306,7 @@ def measure_shape(shape: HeadShape, keys, ceilings, device, args) -> dict:
     }
     for key in keys:
         print(f"  {IMPLEMENTATIONS[key][0]} ...", flush=True)
-        result = measure(key, shape, inputs, reference, docs, floor_ms, args)
+        result = measure(key, shape, inputs, reference, docs, floor_ms, args, reference_grads)
         record["results"][key] = result
         if result["ms"] is None:
             print(f"    no timing: {result['error']}", flush=True)
@@ -297,7 +319,7 @@ def measure_shape(shape: HeadShape, keys, ceilings, device, args) -> dict:
     if args.sweep and not args.dry_run and not shape.train:
         print("  sweeping lik launch configs ...", flush=True)
         record["sweep"] = sweep_configs(shape, inputs, args)
-    del inputs, reference
+    del inputs, reference, reference_grads
     release_cached_memory()
     return record
 
@@ -367,6 +389,24 @@ def markdown_report(report: dict) -> str:
         markdown_table(["shape", *(IMPLEMENTATIONS[k][0] for k in keys)], parity),
         "",
     ]
+    training = [r for r in report["shapes"] if r["train"]]
+    if training:
+        lines += [
+            "## Training steps: GPU time and gradients",
+            "",
+            "GPU time: the step (forward + backward to Q, H, W and b) captured in a CUDA "
+            "graph and replayed, median ms (the rows above include the host's work). "
+            "Gradient error: relative to float64, for Q and the largest of H, W and b. "
+            "linear + lik maxsim normalizes Q as well: for unit queries its scores are the "
+            "same, its gradient to Q is another function's.",
+            "",
+            markdown_table(
+                ["shape", *(f"{IMPLEMENTATIONS[k][0]} GPU ms / grad err Q, HWb" for k in keys)],
+                [[r["name"], *(training_cell(r["results"].get(k, {})) for k in keys)]
+                 for r in training],
+            ),  # fmt: skip
+            "",
+        ]
     for r in report["shapes"]:
         if r.get("sweep"):
             best = r["sweep"][:5]
@@ -389,6 +429,14 @@ def markdown_report(report: dict) -> str:
     if errors:
         lines += ["## Errors", "", *(f"- {IMPLEMENTATIONS[k][0]}: {e}" for k, e in errors), ""]
     return "\n".join(lines)
+
+
+def training_cell(result: dict) -> str:
+    errors = result.get("grad_rel_err")
+    if not isinstance(errors, dict):
+        return f"{format_ms(result.get('gpu_ms'))} / —"
+    largest = max(errors[name] for name in "HWb")
+    return f"{format_ms(result.get('gpu_ms'))} / {errors['Q']:.1e}, {largest:.1e}"
 
 
 def write_report(report: dict, out_dir: Path, stem: str) -> None:

@@ -14,10 +14,12 @@ is replayed from its seed alone.
 
 Compiling dominates a GPU soak (most cases key a new kernel specialization), so --workers
 runs that many processes with their own seeds side by side; a worker whose CUDA context
-breaks (an illegal address) records the case and stops. A first soak of an H200 found
-queries whose tile outgrew shared memory (fp32, or head dim 256 past 256 tokens), docs
-stored token-major faulting under nested docs and bf16 fused-head gradients off by up to
-10% (docs rounded before scoring); all three are tests now.
+breaks (an illegal address) records the case and stops, and one still in a case
+GRACE_SECONDS past the soak time is stopped, its case named in the report as cut off. A
+first soak of an H200 found queries whose tile outgrew shared memory (fp32, or head dim
+256 past 256 tokens), docs stored token-major faulting under nested docs and bf16
+fused-head gradients off by up to 10% (docs rounded before scoring); all three are tests
+now.
 """
 
 from __future__ import annotations
@@ -462,19 +464,36 @@ def context_broken(device: str) -> bool:
         return True
 
 
-def soak(seconds: float, seed: int, scale: Scale, device: str) -> dict:
-    """Cases drawn from `seed` until `seconds` pass: counts per kind and the failures."""
+def soak(seconds: float, seed: int, scale: Scale, device: str, progress: Path | None = None):
+    """Cases drawn from `seed` until `seconds` pass: counts per kind and the failures.
+    progress: rewritten before every case with the counts so far and the seed of the case
+    it starts, so a worker stopped mid-case still reports (and names the case it ran)."""
     seeds = random.Random(seed)
     counts, failures, began = {}, [], time.perf_counter()
+
+    def state(running: int | None) -> dict:
+        return {"cases": counts, "failures": failures, "running": running,
+                "seconds": time.perf_counter() - began}  # fmt: skip
+
     while time.perf_counter() - began < seconds:
-        record = run_case(seeds.randrange(2**31), scale, device)
+        case_seed = seeds.randrange(2**31)
+        if progress is not None:
+            write_json(progress, state(case_seed))
+        record = run_case(case_seed, scale, device)
         counts[record["kind"]] = counts.get(record["kind"], 0) + 1
         if record["problems"]:
             failures.append(record)
             print(json.dumps(record, default=str)[:600], flush=True)
             if context_broken(device):
                 break
-    return {"cases": counts, "failures": failures, "seconds": time.perf_counter() - began}
+    if progress is not None:
+        write_json(progress, state(None))
+    return state(None)
+
+
+# How long past --seconds the workers may take to end the case they run (a long case
+# compiles several kernels) before they are stopped and the case is reported as cut off.
+GRACE_SECONDS = 90
 
 
 def in_workers(args, scale_name: str) -> dict:
@@ -485,14 +504,20 @@ def in_workers(args, scale_name: str) -> dict:
                                      "--seconds", str(args.seconds), "--seed", str(args.seed + i),
                                      "--scale", scale_name, "--device", args.device])
                    for i, path in enumerate(paths)]  # fmt: skip
+        deadline = time.monotonic() + args.seconds + GRACE_SECONDS
         for worker in workers:
-            worker.wait()
+            try:
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
         parts = [json.loads(path.read_text()) for path in paths if path.exists()]
     merged = {"cases": {}, "failures": [], "seconds": max((p["seconds"] for p in parts), default=0)}
     for part in parts:
         for kind, count in part["cases"].items():
             merged["cases"][kind] = merged["cases"].get(kind, 0) + count
         merged["failures"] += part["failures"]
+    merged["cut_off"] = [p["running"] for p in parts if p["running"] is not None]
     merged["workers"] = {"asked": args.workers, "reported": len(parts)}
     return merged
 
@@ -514,6 +539,10 @@ def markdown(report: dict) -> str:
     if result["failures"]:
         rows = [(f["seed"], f["kind"], "; ".join(f["problems"])[:200]) for f in result["failures"]]
         lines += ["", "## Failures", "", markdown_table(["seed", "kind", "problems"], rows)]
+    if result.get("cut_off"):
+        lines += ["", f"Workers stopped {GRACE_SECONDS} s past the soak time, in the case of seed "
+                  + ", ".join(f"{seed} ({kind_of(seed)})" for seed in result["cut_off"])
+                  + ": slow or hung, to replay."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -548,7 +577,7 @@ def main(argv=None) -> int:
     if args.case is not None:
         return replay(args.case, SCALES[scale_name], args.device)
     if args.worker is not None:
-        write_json(args.worker, soak(args.seconds, args.seed, SCALES[scale_name], args.device))
+        soak(args.seconds, args.seed, SCALES[scale_name], args.device, progress=args.worker)
         return 0
     if args.workers > 1:
         result = in_workers(args, scale_name)

@@ -563,20 +563,13 @@ def _rounded(x, dtype):
     return x + (x.to(dtype).double() - x).detach()
 
 
-def _reference_rounded_docs(Q, H, W, b, d_mask, dtype, composed=False):
+def _reference_rounded_docs(Q, H, W, b, d_mask, dtype):
     """float64 reference whose normalized projected docs are rounded to `dtype` in the
-    forward (straight through in the backward), as the kernel rounds its projected tile
-    before the similarity dot. composed: rounded where the composed training path rounds
-    them, the projection (its matmul's output) and the docs at norm sqrt(d) (its
-    rms_norm's output; the scores are scaled back after). Without it, bf16 rounding flips
-    a few near-tied argmaxes (~0.4% of 1000 query tokens at Ld 300), each moving a whole
-    row of grad_H."""
-    raw = F.linear(H, W, b)
-    if composed:
-        scale = raw.shape[-1] ** 0.5
-        D = _rounded(F.normalize(_rounded(raw, dtype), dim=-1) * scale, dtype) / scale
-    else:
-        D = _rounded(F.normalize(raw, dim=-1), dtype)
+    forward (straight through in the backward), as the fused kernel rounds its projected
+    tile before the similarity dot. Without it, bf16 rounding flips a few near-tied
+    argmaxes (~0.4% of 1000 query tokens at Ld 300), each moving a whole row of grad_H.
+    The composed training path projects and scores in fp32: no rounding (float64)."""
+    D = _rounded(F.normalize(F.linear(H, W, b), dim=-1), dtype)
     sim = torch.einsum("isk,jtk->ijst", Q, D)
     sim = sim.masked_fill(~d_mask[None, :, None, :], float("-inf"))
     best = sim.amax(-1)
@@ -602,8 +595,8 @@ def test_gpu_gradients(case, dtype, training_path):
     out = maxsim_from_hidden(Q, H, W, b, d_mask)
     grads = torch.autograd.grad(out, (Q, H, W, b), grad_out)
     ref_inputs = [t.detach().double().requires_grad_() for t in (Q, H, W, b)]
-    ref = _reference_rounded_docs(*ref_inputs, d_mask, torch_dtype,
-                                  composed=training_path == "composed")  # fmt: skip
+    docs_dtype = torch.float64 if training_path == "composed" else torch_dtype
+    ref = _reference_rounded_docs(*ref_inputs, d_mask, docs_dtype)
     ref_grads = torch.autograd.grad(ref, ref_inputs, grad_out.double())
     assert_close_to_reference(out, ref, torch_dtype, interpreter=False, what=case)
     for label, grad, ref_grad in zip("QHWb", grads, ref_grads, strict=True):
