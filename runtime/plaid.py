@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from lik.runtime import dispatch, ragged, registry
+from lik.runtime import dispatch, ragged, registry, validate
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES, variant_name
 from lik.runtime.reference import (
     maxsim_residual_reference,
@@ -44,10 +44,6 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # Docs per chunk of the PyTorch grad_Q recompute: bounds its decoded tokens and
 # similarities (~Nq * Lq * chunk * Ld floats).
 GRAD_CHUNK_ELEMENTS = 1 << 26
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
 def _tensor(name: str, value: object, doc: str) -> torch.Tensor:
@@ -73,7 +69,7 @@ def _check(name, value, doc, *, shape, dtypes, device, dtype_doc) -> torch.Tenso
     if not isinstance(value, torch.Tensor) or not _shape_matches(value.shape, shape):
         doc = doc() if callable(doc) else doc
         value = _tensor(name, value, doc)
-        raise ValueError(f"{name} must be {doc}, got {_describe(value)}")
+        raise ValueError(f"{name} must be {doc}, got {validate.describe(value)}")
     if value.dtype not in dtypes:
         raise TypeError(f"{name} must be {dtype_doc}, got {value.dtype}")
     if value.device != device:
@@ -84,7 +80,7 @@ def _check(name, value, doc, *, shape, dtypes, device, dtype_doc) -> torch.Tenso
 def _query(Q: object) -> torch.Tensor:
     Q = _tensor("Q", Q, _Q_DOC)
     if Q.dim() not in (2, 3):
-        raise ValueError(f"Q must be {_Q_DOC}, got {_describe(Q)}")
+        raise ValueError(f"Q must be {_Q_DOC}, got {validate.describe(Q)}")
     if Q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"Q must be fp32, fp16 or bf16, got {Q.dtype}")
     if Q.shape[-1] > MAX_HEAD_DIM:
@@ -394,7 +390,7 @@ def plaid_approx_score(
     scores = _tensor("query_centroid_scores", query_centroid_scores, "[n_centroids, Lq]")
     if scores.dim() != 2:
         raise ValueError(
-            f"query_centroid_scores must be [n_centroids, Lq], got {_describe(scores)}"
+            f"query_centroid_scores must be [n_centroids, Lq], got {validate.describe(scores)}"
         )
     if scores.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"query_centroid_scores must be fp32, fp16 or bf16, got {scores.dtype}")

@@ -10,7 +10,8 @@ from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES
 BACKWARD_CHOICES = (None, "auto", "unified", "lowmem")
 
 
-def _describe(t: torch.Tensor) -> str:
+def describe(t: torch.Tensor) -> str:
+    """A tensor as an error message names it."""
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
@@ -19,7 +20,7 @@ def tensor(name: str, value: object, ranks: tuple[int, ...], layout_doc: str) ->
         raise TypeError(f"{name} must be a torch.Tensor {layout_doc}, got {type(value).__name__}")
     if value.dim() not in ranks:
         raise ValueError(
-            f"{name} must be {layout_doc}, got {value.dim()} dims ({_describe(value)})"
+            f"{name} must be {layout_doc}, got {value.dim()} dims ({describe(value)})"
         )
     if value.dtype not in SUPPORTED_DTYPES:
         allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
@@ -41,7 +42,7 @@ def head_dims(Q: torch.Tensor, D: torch.Tensor) -> None:
     if Q.shape[-1] != D.shape[-1]:
         raise ValueError(
             f"Q and D must share the head dim (last axis): Q has {Q.shape[-1]} "
-            f"({_describe(Q)}), D has {D.shape[-1]} ({_describe(D)})"
+            f"({describe(Q)}), D has {D.shape[-1]} ({describe(D)})"
         )
     if Q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head dim {Q.shape[-1]} exceeds the largest supported, {MAX_HEAD_DIM}")
