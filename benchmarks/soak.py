@@ -337,7 +337,7 @@ def head_case(draw: Draw, grad: bool):
     Q, q_layout = draw.tensor((nq, lq, d), dtype)
     H, h_layout = draw.tensor((nd, ld, d_model), dtype)
     W, w_layout = draw.tensor((d, d_model), dtype)
-    W = W * d_model**-0.5  # a product keeps its operand's strides
+    W = W * d_model**-0.5  # a product keeps a permuted operand's strides
     b = (draw.randn(d) * 0.03).to(dtype) if draw.chance(0.5) else None
     d_mask, normalize = draw.mask((nd, ld), 0.3), draw.chance(0.7)
     info = {"entry": "maxsim_from_hidden", "dtype": str(dtype), "Q": (nq, lq, d),

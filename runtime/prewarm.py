@@ -13,7 +13,8 @@ GIL, so the caller's own start-up (loading a model, building inputs) goes on bes
 and its first call then finds the work done instead of doing it. A first kernel load
 that comes while the thread still runs waits for it rather than redoing its work beside
 it, and so does a fork (a child must not inherit an import half done by a thread it does
-not have).
+not have), and so does the process's exit (a thread killed inside native code at
+finalization can abort the process).
 
 Triton's cache key is also remembered across processes (`remembered_triton_key`): in a
 fresh process the thread, which otherwise spent 0.31-0.37 s of its ~0.9 s hashing, reads
@@ -49,6 +50,7 @@ def wanted() -> bool:
 
 
 _thread: threading.Thread | None = None
+EXIT_WAIT_SECONDS = 60  # the warm-up takes about a second
 
 
 def warm() -> None:
@@ -187,14 +189,16 @@ def start() -> threading.Thread | None:
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(before=wait)
     # A daemon thread still hashing in native code when the interpreter finalizes is
-    # killed there, which can abort the process ("FATAL: exception not rethrown").
-    atexit.register(wait)
+    # killed there, which can abort the process ("FATAL: exception not rethrown"). The
+    # wait is bounded: a warm-up stuck in a subprocess must not keep the process alive.
+    atexit.register(wait, timeout=EXIT_WAIT_SECONDS)
     return _thread
 
 
-def wait() -> None:
-    """Returns once the warm-up is done (at once when none runs): Triton's cache key is
-    not computed under a lock, so a launch beside the thread would compute it twice."""
+def wait(timeout: float | None = None) -> None:
+    """Returns once the warm-up is done (at once when none runs; after `timeout` seconds
+    at most): Triton's cache key is not computed under a lock, so a launch beside the
+    thread would compute it twice."""
     thread = _thread
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-        thread.join()
+        thread.join(timeout)
