@@ -4,7 +4,9 @@ and against the unfused path (torch linear, then lik maxsim), in one run on one 
 Each implementation's scores are checked against the float64 reference (first and last
 docs) before it is timed. The floor is the larger of reading the hidden states (and W,
 Q, scores) once at the measured copy rate, and the projection + MaxSim FLOPs at the
-measured bf16 matmul rate. --sweep also times a grid of lik launch configs per shape
+measured bf16 matmul rate. Training rows also report the step's GPU time (a CUDA graph
+replay: the public call's host work paces the step at this size) and each gradient's
+error against float64. --sweep also times a grid of lik launch configs per shape
 (the default config is a heuristic; this is how its table entry gets chosen).
 
     python3 benchmarks/bench_head.py --out DIR [--shapes a,b] [--quick] [--sweep]
