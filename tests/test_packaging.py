@@ -151,6 +151,27 @@ def test_fork_right_after_import_waits_for_the_warm_up(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_exit_s_wait_for_a_stuck_warm_up_is_bounded(monkeypatch):
+    # The exit waits for the thread with a timeout: a warm-up stuck in a subprocess must
+    # not keep a finished process alive.
+    import threading
+    import time
+
+    from lik.runtime import prewarm
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    monkeypatch.setattr(prewarm, "_thread", stuck)
+    began = time.perf_counter()
+    prewarm.wait(timeout=0.2)
+    waited = time.perf_counter() - began
+    assert stuck.is_alive(), "the warm-up was to still be stuck"
+    release.set()
+    stuck.join()
+    assert 0.15 < waited < 5, f"waited {waited:.2f} s for a 0.2 s bound"
+
+
 @pytest.mark.parametrize(
     ("setting", "cuda", "expected"),
     [("0", "12.8", False), ("1", None, True), ("", None, False), ("", "12.8", True)],
