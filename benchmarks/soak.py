@@ -28,6 +28,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -494,7 +495,7 @@ def soak(seconds: float, seed: int, scale: Scale, device: str, progress: Path | 
     while time.perf_counter() - began < seconds:
         case_seed = seeds.randrange(2**31)
         if progress is not None:
-            write_json(progress, state(case_seed))
+            _write_whole(progress, state(case_seed))
         record = run_case(case_seed, scale, device)
         counts[record["kind"]] = counts.get(record["kind"], 0) + 1
         if record["problems"]:
@@ -503,8 +504,16 @@ def soak(seconds: float, seed: int, scale: Scale, device: str, progress: Path | 
             if context_broken(device):
                 break
     if progress is not None:
-        write_json(progress, state(None))
+        _write_whole(progress, state(None))
     return state(None)
+
+
+def _write_whole(path: Path, payload: dict) -> None:
+    """Writes beside the file, then renames: a worker stopped mid-write leaves the last
+    whole report."""
+    partial = path.with_suffix(".partial")
+    write_json(partial, payload)
+    os.replace(partial, path)
 
 
 # How long past --seconds the workers may take to end the case they run (a long case

@@ -82,11 +82,12 @@ def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
     # Under the interpreter, tiny sizes: the same cases a GPU soak draws, scaled down.
     soak = [sys.executable, str(BENCHMARKS / "soak.py"), "--dry-run"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([*soak, "--seconds", "8", "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([*soak, "--seconds", "8", "--workers", "2", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((tmp_path / "soak_dry-run.json").read_text())
-    assert report["result"]["failures"] == []
+    assert report["result"]["failures"] == [] and report["result"]["cut_off"] == []
+    assert report["result"]["workers"] == {"asked": 2, "reported": 2}
     cases = report["result"]["cases"]
     assert sum(cases.values()) >= 10 and cases.get("maxsim, gradients", 0) >= 1
     assert "| maxsim |" in (tmp_path / "soak_dry-run.md").read_text()
