@@ -165,8 +165,10 @@ def maxsim_case(draw: Draw, grad: bool):
     layout = draw.choice(["in-batch", "in-batch", "kd", "pairs", "one query", "one doc"])
     dtype = draw.choice(DTYPES)
     nq, nd, lq, ld, d = draw.sizes(grad)
-    if layout == "kd":  # Nq x K docs: K of a few dozen
+    if layout == "kd":  # Nq x K docs: K of a few dozen, and their elements bounded
         nd = min(nd, 64)
+        while nq * nd * ld * d > draw.scale.scored_tokens:
+            nq, ld = (max(1, nq // 2), ld) if nq >= ld else (nq, max(1, ld // 2))
     q_shape = (lq, d) if layout == "one query" else (nq, lq, d)
     d_shape = {"kd": (nq, nd, ld, d), "pairs": (nq, ld, d), "one doc": (ld, d)}.get(
         layout, (nd, ld, d)
@@ -301,6 +303,67 @@ def ragged_case(draw: Draw, grad: bool):
     return info, [("scores", out, reference(Q.double(), D.double()), TOLERANCE[dtype])]
 
 
+def padded_case(draw: Draw, grad: bool):
+    """maxsim_padded: each query against its C candidates, padding past per-row lengths
+    (0 included) ignored, as the KD layout with length masks."""
+    from lik.runtime import maxsim_padded
+    from lik.runtime.reference import maxsim_reference
+
+    s = draw.scale
+    dtype = draw.choice(DTYPES)
+    nq, nd, lq, ld, d = draw.sizes(grad=False)
+    batch, candidates = nq, max(1, min(nd, 64))
+    while batch * candidates * ld * d > s.scored_tokens:  # the padded docs' elements
+        batch, ld = (max(1, batch // 2), ld) if batch >= ld else (batch, max(1, ld // 2))
+    queries, q_layout = draw.tensor((batch, lq, d), dtype)
+    documents, d_layout = draw.tensor((batch, candidates, ld, d), dtype)
+    index = {"generator": draw.generator, "device": draw.device}
+    q_len = torch.randint(0, lq + 1, (batch,), **index)
+    d_len = torch.randint(0, ld + 1, (batch, candidates), **index)
+    info = {"entry": "maxsim_padded", "dtype": str(dtype), "queries": (batch, lq, d),
+            "documents": (batch, candidates, ld, d), "memory": (q_layout, d_layout),
+            "long queries": lq > s.query_tokens}  # fmt: skip
+    with torch.no_grad():
+        out = maxsim_padded(queries, documents, q_len, d_len)
+    q_mask = torch.arange(lq, device=draw.device) < q_len[:, None]
+    d_mask = torch.arange(ld, device=draw.device) < d_len[..., None]
+    ref = maxsim_reference(queries.double(), documents.double(), q_mask, d_mask)
+    return info, [("scores", out, ref, TOLERANCE[dtype])]
+
+
+def scorer_case(draw: Draw, grad: bool):
+    """MaxSimScorer.forward_with_ids: masks from token ids equal to the padding id."""
+    from lik.runtime import MaxSimScorer
+    from lik.runtime.reference import maxsim_reference
+
+    dtype = draw.choice(DTYPES)
+    nq, nd, lq, ld, d = draw.sizes(grad)
+    pad, normalize = draw.choice([0, 1, 50283]), draw.chance(0.7)
+    backward = draw.choice(["auto", "unified", "lowmem"])
+    scorer = MaxSimScorer(normalize=normalize, backward=backward, mask_pad_token=pad)
+    Q, q_layout = draw.tensor((nq, lq, d), dtype)
+    D, d_layout = draw.tensor((nd, ld, d), dtype)
+    index = {"generator": draw.generator, "device": draw.device}
+    q_ids = torch.where(torch.rand(nq, lq, **index) < 0.2, pad, pad + 1)
+    d_ids = torch.where(torch.rand(nd, ld, **index) < draw.choice([0.0, 0.3, 1.0]), pad, pad + 7)
+    q_mask, d_mask = q_ids != pad, d_ids != pad
+    info = {"entry": "MaxSimScorer.forward_with_ids", "dtype": str(dtype), "Q": (nq, lq, d),
+            "D": (nd, ld, d), "memory": (q_layout, d_layout), "normalize": normalize,
+            "backward": backward if grad else "no gradients"}  # fmt: skip
+
+    def score(q, k):
+        return scorer.forward_with_ids(q, k, q_ids, d_ids)
+
+    def reference(q, k):
+        return maxsim_reference(q, k, q_mask, d_mask, normalize=normalize)
+
+    if grad:
+        return info, _with_gradients(draw, score, reference, (Q, D), TOLERANCE[dtype], "QD")
+    with torch.no_grad():
+        out = score(Q, D)
+    return info, [("scores", out, reference(Q.double(), D.double()), TOLERANCE[dtype])]
+
+
 def retrieve_case(draw: Draw, grad: bool):
     from lik.runtime import maxsim, retrieve
 
@@ -419,6 +482,9 @@ KINDS = {
     "maxsim, gradients": (maxsim_case, True, 4),
     "ragged": (ragged_case, False, 1),
     "ragged, gradients": (ragged_case, True, 1),
+    "padded rerank": (padded_case, False, 1),
+    "scorer module": (scorer_case, False, 1),
+    "scorer module, gradients": (scorer_case, True, 1),
     "retrieve": (retrieve_case, False, 1),
     "fp8": (fp8_case, False, 1),
     "head": (head_case, False, 1),
