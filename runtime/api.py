@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lik.runtime import autograd, dispatch, metal, validate
+from lik.runtime import autograd, dispatch, metal, norm_warning, validate
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
@@ -103,6 +103,8 @@ def maxsim(
         if squeeze_doc:
             d_mask = d_mask.unsqueeze(0)
 
+    if not normalize:
+        norm_warning.check(Q3, D3, q_mask, d_mask)
     path = dispatch.backend_of(Q)  # CUDA first, without a device object: the common case
     if path != "triton" and metal.handles(Q.device):  # MPS: Metal kernels or their fallback
         out = metal.maxsim(layout, Q3, D3, q_mask, d_mask, normalize)
@@ -140,6 +142,8 @@ def maxsim_pairs(
     B, Lq, Ld = Q.shape[0], Q.shape[1], D.shape[1]
     q_mask = validate.mask("q_mask", q_mask, (B, Lq), Q.device, "[B, Lq]")
     d_mask = validate.mask("d_mask", d_mask, (B, Ld), D.device, "[B, Ld]")
+    if not normalize:
+        norm_warning.check(Q, D, q_mask, d_mask)
     if metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
         return metal.maxsim("pairs", Q, D, q_mask, d_mask, normalize)
     if dispatch.backend(Q.device) == "reference":

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from lik.runtime import dispatch, validate, workspace
+from lik.runtime import dispatch, norm_warning, validate, workspace
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -187,6 +187,8 @@ class _Ragged(torch.autograd.Function):
 
 
 def _score(layout, Q, D, tensors, bound, normalize, backward):
+    if not normalize:  # packed tokens: the first ones are the first query's and doc's
+        norm_warning.check(Q, D)
     if dispatch.backend(Q.device) == "reference":
         return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize, **tensors)
     strategy = "none"

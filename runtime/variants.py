@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from lik.runtime import dispatch, metal, registry, validate
+from lik.runtime import dispatch, metal, norm_warning, registry, validate
 from lik.runtime.keys import next_power_of_two, variant_name
 from lik.runtime.reference import maxsim_scored_reference
 
@@ -175,6 +175,8 @@ def _score(call: _Call, Q, D, weights, q_mask, d_mask) -> torch.Tensor:
     if squeeze:
         q_mask = None if q_mask is None else q_mask.unsqueeze(0)
         weights = None if weights is None else weights.unsqueeze(0)
+    if not call.normalize:
+        norm_warning.check(Q3, D, q_mask, d_mask)
     if metal.handles(Q.device):  # MPS: the Metal kernels, or the reference outside them
         metal_call = metal.ScoredCall(call.score, call.layout, call.normalize, call.tau, call.k)
         out = metal.maxsim_scored(metal_call, Q3, D, weights, q_mask, d_mask)

@@ -12,6 +12,9 @@ if not torch.cuda.is_available():
 # their first call (hundreds of variants would each sweep, and write ~/.cache/lik);
 # tests/test_autotune.py turns the sweep back on.
 os.environ.setdefault("LIK_AUTOTUNE", "0")
+# The suite's random tokens are unnormalized on purpose: no "look unnormalized" warning
+# (tests/test_norm_warning.py turns it back on).
+os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 
 
 @pytest.fixture(params=["reference", "interpreter"])
