@@ -7,9 +7,9 @@ a process samples the first SAMPLED_TOKENS tokens of its first query and first d
 one of them has a norm off 1 by more than TOLERANCE (masked and zero tokens, padding,
 are skipped), a UserWarning says so, once. LIK_SUPPRESS_NORM_WARN=1 turns the check off.
 
-No host sync: on a GPU the sample's worst norm is copied to pinned host memory behind an
+No host sync on CUDA: the sample's worst norm is copied to pinned host memory behind an
 event, and a later call reads it once the event has passed (event.query() does not
-wait). A process whose only call is its first is not warned. Calls traced by
+wait); on MPS the first call reads it (one sync). A process whose only call is its first is not warned. Calls traced by
 torch.compile or captured into a CUDA graph are not sampled.
 """
 
