@@ -71,11 +71,14 @@ def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
     # Dense inference streams blocks of docs per program: blocks of 2 and 8 over Nd = 7
     # docs (the last block runs past Nd), each two tiles long (Ld 37), 5 queries in groups.
     monkeypatch.setattr(dispatch, "stream_docs_per_program", lambda nd, groups: docs_per_program)
+    monkeypatch.setattr(dispatch, "_call_configs", {})  # a cached config would skip the patch
     variant = Variant.parse(name)
     Q, D, q_mask, d_mask, shape, ref = _case(
         variant, 5, 7, 7, 37, 48, torch.Generator().manual_seed(5)
     )
     out = _run(variant, Q, D, q_mask, d_mask, shape)
+    (config,) = dispatch._call_configs.values()
+    assert config.docs_per_program == docs_per_program
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
 
@@ -110,6 +113,7 @@ def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
         dispatch, "nested_docs_per_program", lambda config, nq, nd: docs_per_program
     )
     monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
+    monkeypatch.setattr(dispatch, "_call_configs", {})  # a cached config would skip the patches
     variant = Variant.parse(name)
     Q, D, q_mask, d_mask, shape, _ = _case(
         variant, 5, 7, 7, 77, 48, torch.Generator().manual_seed(3)
@@ -119,6 +123,8 @@ def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
         d_mask[3], d_mask[5, 40] = False, True
     ref = maxsim_reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
     out = _run(variant, Q, D, q_mask, d_mask, shape)
+    (config,) = dispatch._call_configs.values()
+    assert (config.docs_per_program, config.peel_tail) == (docs_per_program, peel)
     assert out[:, 5].isnan().all() and ref[:, 5].isnan().all()
     finite = [0, 1, 2, 3, 4, 6]
     assert_close_to_reference(
@@ -140,6 +146,7 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
     # counters are back at 0 after each call, so the second call scores the same.
     monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: splits)
     monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
+    monkeypatch.setattr(dispatch, "_call_configs", {})  # a cached config would skip the patches
     variant = Variant.parse(name)
     generator = torch.Generator().manual_seed(9)
     Q, D, q_mask, d_mask, shape, _ = _case(variant, 5, 3, 7, 77, 48, generator)
@@ -148,6 +155,8 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
         d_mask[0], d_mask[2, 70] = False, True
     ref = maxsim_reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
     out = _run(variant, Q, D, q_mask, d_mask, shape)
+    (config,) = dispatch._call_configs.values()
+    assert (config.doc_splits, config.peel_tail) == (splits, peel)
     assert ref[:, 2].isnan().any() and torch.equal(out[:, 2].isnan().cpu(), ref[:, 2].isnan().cpu())
     assert_close_to_reference(out[:, :2], ref[:, :2], Q.dtype, interpreter=INTERPRETER, what=name)
     if splits > 1:
