@@ -4,6 +4,7 @@ and the @triton.jit functions of a generated source."""
 from __future__ import annotations
 
 import ast
+import zlib
 from pathlib import Path
 
 import torch
@@ -75,6 +76,22 @@ def padded_variant_names(names):
         if "_triton" in n
         and any(layout in n for layout in PADDED_LAYOUTS)
         and not any(token in n for token in OWN_TEST_TOKENS)
+    ]
+
+
+def stable_seed(*parts) -> int:
+    """A seed from names that is the same in every process (str hashes are not)."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def inference_variant_names(names):
+    """The padded variants whose forward dispatch.forward launches as they are named (the
+    inference ones): training variants (_unified, _lowmem) and top-k epilogues are
+    launched by their own paths and tested there."""
+    return [
+        n
+        for n in padded_variant_names(names)
+        if not n.startswith("topk_") and not n.endswith(("_unified", "_lowmem"))
     ]
 
 

@@ -11,10 +11,12 @@ import pytest
 import torch
 from helpers import (
     assert_close_to_reference,
+    inference_variant_names,
     padded_variant_names,
     poisoned,
     random_mask,
     relative_error,
+    stable_seed,
 )
 
 from lik.runtime import dispatch, maxsim, maxsim_pairs, registry, workspace
@@ -53,14 +55,51 @@ def _run(variant: Variant, Q, D, q_mask, d_mask, out_shape):
     return dispatch.forward(variant.layout.value, Q, D, q_mask, d_mask, variant.normalize, out)
 
 
-@pytest.mark.parametrize("name", padded_variant_names(registry.names()))
-def test_variant_matches_reference(name):
+@pytest.mark.parametrize("name", inference_variant_names(registry.names()))
+def test_variant_matches_reference(monkeypatch, name):
     variant = Variant.parse(name)
-    generator = torch.Generator().manual_seed(hash(name) % 2**31)
+    launched = []
+    load = registry.load
+    monkeypatch.setattr(registry, "load", lambda n: launched.append(n) or load(n))
+    generator = torch.Generator().manual_seed(stable_seed(name))
     # Odd sizes: Ld spans a partial second doc tile, d is not a power of two.
     Q, D, q_mask, d_mask, shape, ref = _case(variant, 3, 5, 7, 37, 48, generator)
     out = _run(variant, Q, D, q_mask, d_mask, shape)
+    assert launched == [name], f"launched {launched}"
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
+
+
+TOPK_VARIANTS = [n for n in padded_variant_names(registry.names()) if n.startswith("topk_")]
+
+
+@pytest.mark.parametrize("name", TOPK_VARIANTS)
+def test_topk_variant_keeps_each_doc_block_s_best(monkeypatch, name):
+    # The retrieval epilogue: each doc block's best per query (empty slots -inf with
+    # negative ids), over 13 docs of 37 tokens in blocks of 4 (the last one of 1 doc),
+    # against float64 scores.
+    monkeypatch.setattr(dispatch, "TOPK_DOCS_PER_PROGRAM", (4, 4))
+    variant = Variant.parse(name)
+    generator = torch.Generator().manual_seed(stable_seed(name))
+    Q, D, q_mask, d_mask, _, full = _case(variant, 3, 13, 7, 37, 48, generator)
+    scores, ids = dispatch.topk_candidates(Q, D, q_mask, d_mask, variant.normalize, 3)
+    k = scores.shape[-1]  # slots: 3 rounded up to a power of two
+    assert (k, scores.shape[1]) == (4, 4) and ids.shape == scores.shape
+    blocks = scores.shape[1]
+    per_block = -(-13 // blocks)
+    tolerance = 1e-5 if Q.dtype == torch.float32 else 1e-3
+    for q in range(3):
+        for b in range(blocks):
+            docs = torch.arange(b * per_block, min(13, (b + 1) * per_block))
+            want = torch.sort(full[q, docs].float(), descending=True).values[:k]
+            kept = ids[q, b] >= 0
+            got_ids = ids[q, b][kept].cpu()
+            assert len(got_ids) == min(k, len(docs)), (q, b, ids[q, b])
+            assert set(got_ids.tolist()) <= set(docs.tolist())
+            got = torch.sort(scores[q, b][kept].cpu(), descending=True).values
+            assert torch.allclose(got, want.cpu(), rtol=tolerance, atol=tolerance), (got, want)
+            # each kept id's score is that doc's score
+            assert torch.allclose(scores[q, b][kept].cpu(), full[q, got_ids].float().cpu(),
+                                  rtol=tolerance, atol=tolerance)  # fmt: skip
 
 
 @pytest.mark.parametrize("docs_per_program", [2, 8])
