@@ -14,6 +14,7 @@ from lik.runtime import (
     maxsim_padded,
     maxsim_varlen,
     pack_padded,
+    ragged,
     registry,
     score_pairs_packed,
 )
@@ -208,6 +209,11 @@ def test_a_small_doc_bound_never_drops_tokens():
     # dropped doc token would move a score by a whole similarity.
     bounded = maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=70, max_seqlen_d=1)
     torch.testing.assert_close(bounded, exact, rtol=1e-6, atol=1e-5)
+    # A guard for a future kernel that takes the doc bound as its loop bound: today the
+    # kernels walk each doc's own length, so both match float64 as well.
+    ref = score_pairs_packed_reference(Q.double(), D.double(), cu_seqlens_q=cu_q,
+                                       cu_seqlens_d=cu_d, layout="varlen")  # fmt: skip
+    assert relative_error(bounded, ref) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -332,10 +338,17 @@ def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, f
     # Past what one packed launch holds (forced to 16 tokens here), the padded batch is
     # scored as maxsim's KD layout with length masks: the same scores, chunked.
     monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: fitting)
+    taken = []
+    for path in ("maxsim", "score_pairs_packed"):
+        real = getattr(ragged, path)
+        monkeypatch.setattr(ragged, path, lambda *a, real=real, path=path, **k: (
+            taken.append(path), real(*a, **k))[1])  # fmt: skip
     queries, documents, q_len, d_len, expected = _padded_batch(13, [20, 3])
     scores = maxsim_padded(queries, documents, q_len, d_len)
     assert scores.shape == (2, 3) and relative_error(scores, expected) < 1e-5
     assert scores[0, 1] == 0
+    long_queries = dispatch.backend(queries.device) != "reference" and fitting < 20
+    assert taken == ["maxsim" if long_queries else "score_pairs_packed"]
 
 
 def test_pack_padded_validate_rejects_long_lengths():
