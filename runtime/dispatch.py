@@ -511,7 +511,8 @@ def forward(
     """Scores into `out` (fp32, shaped for the layout) with the generated kernel.
 
     With a backward strategy, the training variant also writes each query token's winning
-    doc token into `argmax` (out.shape + (Lq,), int32, -1 where no token wins).
+    doc token into `argmax` (out.shape + (Lq,): int16, int32 from 2**15 doc tokens; -1
+    where no token wins).
     Queries longer than query_chunk's tokens (LQ_CHUNK, fewer where shared memory is
     short) are scored chunk by chunk and summed: exact, since each query token's max is
     independent of the others.

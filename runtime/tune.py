@@ -15,7 +15,8 @@ to runtime/tuning/<family>.toml under their keys, or with --card to this GPU's o
 table, runtime/tuning/<family>/<card>.toml, which calls on that card read first (for
 keys whose best config differs between cards of a family: an H200 reads memory 1.4x as
 fast as an H100, and its small reranks want other doc tiles). The runtime then reads
-them: no sweep ever runs at call time.
+them, and keys they cover never sweep at call time (others do, once per machine:
+lik.runtime.autotune).
 
     python3 -m lik.runtime.tune [--out runtime/tuning] [--shapes name,...] [--quick] [--card]
 """

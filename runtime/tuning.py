@@ -3,8 +3,8 @@
 Tables live in runtime/tuning/<family>.toml, and a card's own entries (where it differs
 from the card the family's were tuned on) in runtime/tuning/<family>/<card>.toml, which
 cards whose names extend that card's read too (card_table); `make tune` writes both on a
-GPU. A key with neither gets the family's heuristic default: no
-sweep ever runs at call time.
+GPU. A key with neither is swept on its first CUDA call (lik.runtime.autotune, cached
+per machine; LIK_AUTOTUNE=0 turns it off), else it gets the family's heuristic default.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def mask(
     device: torch.device,
     layout_doc: str | None = None,
 ) -> torch.Tensor | None:
-    """A bool (or integer, nonzero = valid) mask of exactly the expected shape, or None.
+    """A bool mask of exactly the expected shape, or None; an integer mask (nonzero =
+    valid, as attention masks come) is returned as bool, which every path reads.
     layout_doc names the axes for error messages (default: the expected sizes)."""
     if value is None:
         return None
@@ -71,7 +72,7 @@ def mask(
         )
     if value.device != device:
         raise ValueError(f"{name} must be on {device} like Q and D, got {value.device}")
-    return value
+    return value if value.dtype == torch.bool else value != 0
 
 
 def backward_choice(backward: object) -> None:
@@ -82,8 +83,8 @@ def backward_choice(backward: object) -> None:
 
 
 def byte_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A validated mask as kernels read it: bool becomes a zero-copy uint8 view (kernels
-    load bytes, not 1-bit pointers); integer masks pass through (nonzero = valid)."""
+    """A validated (bool) mask as kernels read it: a zero-copy uint8 view (kernels load
+    bytes, not 1-bit pointers)."""
     if mask is not None and mask.dtype == torch.bool:
         return mask.view(torch.uint8)
     return mask

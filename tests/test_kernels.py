@@ -366,6 +366,8 @@ def test_non_contiguous_inputs():
 
 
 def test_integer_masks_match_bool_masks():
+    # Attention masks come as integers (nonzero = valid); on the reference path too:
+    # tests/test_runtime.py.
     generator = torch.Generator().manual_seed(9)
     Q = torch.randn(2, 6, 32, generator=generator).to(DEVICE)
     D = torch.randn(3, 10, 32, generator=generator).to(DEVICE)

@@ -132,3 +132,22 @@ def test_hand_edited_generated_file_is_refused():
 def test_unknown_variant_names_say_how_to_add_one():
     with pytest.raises(KeyError, match="make generate"):
         registry.load("maxsim_dense_nomask_fp64_triton")
+
+
+@pytest.mark.parametrize("entry", ["maxsim", "maxsim_pairs", "retrieve", "maxsim_smooth"])
+def test_integer_masks_score_as_bool_masks_on_every_path(lik_path, entry):
+    # HF-style int64 attention masks, nonzero = valid (2 counts as valid too).
+    from lik.runtime import maxsim_smooth, retrieve
+
+    generator = torch.Generator().manual_seed(21)
+    Q, D = torch.randn(3, 6, 16, generator=generator), torch.randn(3, 9, 16, generator=generator)
+    q_mask = torch.rand(3, 6, generator=generator) < 0.7
+    d_mask = torch.rand(3, 9, generator=generator) < 0.6
+    call = {
+        "maxsim": lambda qm, dm: maxsim(Q, D, qm, dm),
+        "maxsim_pairs": lambda qm, dm: maxsim_pairs(Q, D, qm, dm),
+        "retrieve": lambda qm, dm: retrieve(Q, D, 2, qm, dm)[0],
+        "maxsim_smooth": lambda qm, dm: maxsim_smooth(Q, D, qm, dm, tau=0.5),
+    }[entry]
+    as_int = call(q_mask.long() * 2, d_mask.to(torch.int32))
+    assert torch.equal(as_int, call(q_mask, d_mask))
