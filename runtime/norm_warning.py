@@ -9,8 +9,9 @@ are skipped), a UserWarning says so, once. LIK_SUPPRESS_NORM_WARN=1 turns the ch
 
 No host sync on CUDA: the sample's worst norm is copied to pinned host memory behind an
 event, and a later call reads it once the event has passed (event.query() does not
-wait); on MPS the first call reads it (one sync). A process whose only call is its first is not warned. Calls traced by
-torch.compile or captured into a CUDA graph are not sampled.
+wait); on MPS the first call reads it (one sync). A process whose only call is its
+first is not warned. Calls traced by torch.compile or captured into a CUDA graph are not
+sampled.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from lik.runtime import dispatch, norm_warning, validate, workspace
+from lik.runtime import validate as checks  # inside pack_padded, `validate` is its flag
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -279,11 +280,14 @@ def pack_padded(
     Lengths longer than the padded axis raise with validate=True (one host sync); without
     it they are clamped to the padded length. Tokens past a length are dropped.
     """
-    if queries.dim() != 3 or documents.dim() != 4:
-        raise ValueError(
-            f"queries must be [B, Lq, d] and documents [B, C, Ld, d], got "
-            f"{tuple(queries.shape)} and {tuple(documents.shape)}"
-        )
+    queries = checks.tensor("queries", queries, (3,), "[B, Lq, d]")
+    documents = checks.tensor("documents", documents, (4,), "[B, C, Ld, d]")
+    if documents.device != queries.device:
+        raise ValueError(f"queries and documents must be on one device: queries on "
+                         f"{queries.device}, documents on {documents.device}")  # fmt: skip
+    if documents.dtype != queries.dtype:
+        raise TypeError(f"queries and documents must share a dtype: queries are "
+                        f"{queries.dtype}, documents {documents.dtype}")  # fmt: skip
     B, Lq, d = queries.shape
     if documents.shape[0] != B or documents.shape[-1] != d:
         raise ValueError(f"documents must be [B={B}, C, Ld, d={d}], got {tuple(documents.shape)}")

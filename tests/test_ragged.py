@@ -351,6 +351,22 @@ def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, f
     assert taken == ["maxsim" if long_queries else "score_pairs_packed"]
 
 
+@pytest.mark.parametrize(
+    "queries, documents, error, message",
+    [
+        ([[1.0]], torch.randn(1, 2, 5, 8), TypeError, "queries must be a torch.Tensor"),
+        (torch.randn(4, 8), torch.randn(1, 2, 5, 8), ValueError, r"queries must be \[B, Lq, d\]"),
+        (torch.randn(1, 4, 8).double(), torch.randn(1, 2, 5, 8).double(), TypeError,
+         "queries must have dtype"),
+        (torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8).half(), TypeError, "share a dtype"),
+        (torch.randn(1, 4, 8), torch.randn(2, 5, 8), ValueError, r"documents must be \[B, C"),
+    ],
+)  # fmt: skip
+def test_padded_inputs_are_checked_by_name(queries, documents, error, message):
+    with pytest.raises(error, match=message):
+        maxsim_padded(queries, documents, torch.tensor([4]), torch.tensor([[5, 5]]))
+
+
 def test_pack_padded_validate_rejects_long_lengths():
     queries, documents = torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="exceed the padded axes"):
