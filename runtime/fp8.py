@@ -146,9 +146,12 @@ def dequantize_fp8_per_token(X_fp8: torch.Tensor, scale: torch.Tensor) -> torch.
     if X_fp8.dim() == 0:
         raise ValueError("X_fp8 must have at least one axis (tokens along the last)")
     expected = tuple(X_fp8.shape[:-1])
-    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) != expected:
-        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
-        raise ValueError(f"scale must have shape {expected} (X_fp8.shape[:-1]), got {got}")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a tensor of shape {expected}, got {type(scale).__name__}")
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale must have shape {expected} (X_fp8.shape[:-1]), got {tuple(scale.shape)}"
+        )
     scale = _check_scale("scale", scale, X_fp8, "X_fp8", expected)
     return X_fp8.float() * scale.unsqueeze(-1)
 

@@ -4,11 +4,15 @@
     maxsim_smooth     sum_s tau * logsumexp_t(sim[s, t] / tau)   (colpali-engine's smooth max)
     maxsim_topk_mean  sum_s mean of the k largest sim[s, t]  (XTR-style token aggregation)
 
-Same layouts, masks and normalize as maxsim (in-batch [Nq, Nd], or diagonal pairs with
-pairs=True), autograd to Q, D (and the weights) through the generated recompute
-backward, which owns every gradient element in one program: no atomics, gradients in
-the input dtype, bitwise reproducible. CPU runs the reference; MPS runs the generated
-Metal kernels (lik.runtime.metal.maxsim_scored), or the reference outside their envelope.
+Layouts: in-batch (Q [Nq, Lq, d] or [Lq, d] against D [Nd, Ld, d] -> [Nq, Nd]) or
+diagonal pairs with pairs=True (maxsim_pairs' layout); no KD ([Nq, K, Ld, d]) or single
+[Ld, d] doc, and no `backward` choice. Masks and normalize as in maxsim. Autograd to Q,
+D (and the weights) through the generated recompute backward, which owns every gradient
+element in one program: no atomics, gradients in the input dtype, bitwise reproducible.
+CUDA runs the generated Triton kernels, as does a CPU under TRITON_INTERPRET=1; a plain
+CPU runs the reference; MPS runs the generated Metal kernels
+(lik.runtime.metal.maxsim_scored) within their envelope, outside it torch.compile of the
+reference or the eager reference (lik.runtime.metal).
 """
 
 from __future__ import annotations
@@ -223,7 +227,8 @@ def maxsim_weighted(
 ) -> torch.Tensor:
     """sum_s weights[s] * max_t <Q[s], D[t]>: MaxSim with a weight per query token
     (IDF-style or learned). weights [Nq, Lq] ([Lq] for a [Lq, d] query), float; the
-    gradient reaches them too. Otherwise as maxsim (pairs=True: the maxsim_pairs layout)."""
+    gradient reaches them too. Layouts as in the module docstring (in-batch, or pairs=True:
+    the maxsim_pairs layout)."""
     call = _Call("weighted", _layout(pairs), normalize, 1.0, 1)
     if weights is None:
         raise TypeError("maxsim_weighted needs weights [Nq, Lq] (use maxsim without weights)")
@@ -242,7 +247,7 @@ def maxsim_smooth(
 ) -> torch.Tensor:
     """sum_s tau * logsumexp_t(<Q[s], D[t]> / tau): a smooth max over doc tokens that
     tends to MaxSim as tau -> 0 and spreads the gradient over near-winners (colpali-engine's
-    use_smooth_max). tau > 0. Otherwise as maxsim (pairs=True: the maxsim_pairs layout)."""
+    use_smooth_max). tau > 0. Layouts as in the module docstring."""
     if not isinstance(tau, int | float) or isinstance(tau, bool) or not tau > 0:
         raise ValueError(f"tau must be a positive number, got {tau!r}")
     call = _Call("smooth", _layout(pairs), normalize, float(tau), 1)
@@ -261,7 +266,7 @@ def maxsim_topk_mean(
 ) -> torch.Tensor:
     """sum_s mean of the k largest <Q[s], D[t]> over doc tokens t (XTR-style aggregation;
     k = 1 is MaxSim). A doc with fewer than k valid tokens averages the ones it has; ties
-    keep the earlier doc tokens. 1 <= k <= 16. Otherwise as maxsim."""
+    keep the earlier doc tokens. 1 <= k <= 16. Layouts as in the module docstring."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_TOKEN_K:
         raise ValueError(f"k must be an integer in [1, {MAX_TOKEN_K}], got {k!r}")
     call = _Call("topk_mean", _layout(pairs), normalize, 1.0, k)

@@ -125,6 +125,8 @@ def test_quantize_rejects_bad_inputs():
     X8, scale = fp8.quantize_fp8_per_token(torch.randn(2, 3, 8))
     with pytest.raises(ValueError, match=r"scale must have shape \(2, 3\)"):
         fp8.dequantize_fp8_per_token(X8, scale[:, :2])
+    with pytest.raises(TypeError, match="scale must be a tensor"):
+        fp8.dequantize_fp8_per_token(X8, 0.5)
     with pytest.raises(TypeError, match="X_fp8 must have dtype"):
         fp8.dequantize_fp8_per_tensor(X8.float(), scale.amax())
     with pytest.raises(ValueError, match="scale must be one scale per tensor"):
