@@ -266,6 +266,22 @@ def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device
     return value.to(device=device, dtype=torch.int64).clamp(0, limit)
 
 
+def _padded_inputs(queries: object, documents: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """queries [B, Lq, d] and documents [B, C, Ld, d], checked by name."""
+    queries = checks.tensor("queries", queries, (3,), "[B, Lq, d]")
+    documents = checks.tensor("documents", documents, (4,), "[B, C, Ld, d]")
+    if documents.device != queries.device:
+        raise ValueError(f"queries and documents must be on one device: queries on "
+                         f"{queries.device}, documents on {documents.device}")  # fmt: skip
+    if documents.dtype != queries.dtype:
+        raise TypeError(f"queries and documents must share a dtype: queries are "
+                        f"{queries.dtype}, documents {documents.dtype}")  # fmt: skip
+    B, d = queries.shape[0], queries.shape[-1]
+    if documents.shape[0] != B or documents.shape[-1] != d:
+        raise ValueError(f"documents must be [B={B}, C, Ld, d={d}], got {tuple(documents.shape)}")
+    return queries, documents
+
+
 def pack_padded(
     queries: torch.Tensor,
     documents: torch.Tensor,
@@ -280,18 +296,8 @@ def pack_padded(
     Lengths longer than the padded axis raise with validate=True (one host sync); without
     it they are clamped to the padded length. Tokens past a length are dropped.
     """
-    queries = checks.tensor("queries", queries, (3,), "[B, Lq, d]")
-    documents = checks.tensor("documents", documents, (4,), "[B, C, Ld, d]")
-    if documents.device != queries.device:
-        raise ValueError(f"queries and documents must be on one device: queries on "
-                         f"{queries.device}, documents on {documents.device}")  # fmt: skip
-    if documents.dtype != queries.dtype:
-        raise TypeError(f"queries and documents must share a dtype: queries are "
-                        f"{queries.dtype}, documents {documents.dtype}")  # fmt: skip
-    B, Lq, d = queries.shape
-    if documents.shape[0] != B or documents.shape[-1] != d:
-        raise ValueError(f"documents must be [B={B}, C, Ld, d={d}], got {tuple(documents.shape)}")
-    C, Ld = documents.shape[1], documents.shape[2]
+    queries, documents = _padded_inputs(queries, documents)
+    (B, Lq, d), C, Ld = queries.shape, documents.shape[1], documents.shape[2]
     if validate:
         too_long = torch.stack([(query_lengths > Lq).any(), (doc_lengths > Ld).any()]).tolist()
         if too_long[0] or too_long[1]:
@@ -329,17 +335,17 @@ def maxsim_padded(
     Queries padded past what one packed launch scores whole (LQ_CHUNK tokens, fewer where
     shared memory is short) are scored as maxsim's KD layout with length masks instead,
     which splits them into chunks: the same scores."""
-    batch = pack_padded(queries, documents, query_lengths, doc_lengths)
-    B, C = documents.shape[0], documents.shape[1]
+    queries, documents = _padded_inputs(queries, documents)
+    (B, Lq, _), (C, Ld) = queries.shape, documents.shape[1:3]
     if B * C == 0:
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
-    if batch.max_seqlen_q > dispatch.layout_query_chunk("packed_pairs", queries):
-        Lq, Ld = queries.shape[1], documents.shape[2]
+    if Lq > dispatch.layout_query_chunk("packed_pairs", queries):
         q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
         d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)
         q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
         d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
         return maxsim(queries, documents, q_mask, d_mask)
+    batch = pack_padded(queries, documents, query_lengths, doc_lengths)
     scores = score_pairs_packed(
         batch.Q_packed, batch.D_packed, batch.cu_seqlens_q, batch.cu_seqlens_d,
         batch.pair_q_idx, batch.pair_d_idx,
