@@ -76,6 +76,7 @@ def maxsim(
     add 0. normalize=True L2-normalizes tokens inside the kernel. Output fp32.
     """
     validate.backward_choice(backward)
+    normalize = validate.flag("normalize", normalize)
     Q = validate.tensor("Q", Q, (2, 3), _Q_DOC)
     D = validate.tensor("D", D, (2, 3, 4), _D_DOC)
     validate.same_dtype_and_device(Q, D)
@@ -131,6 +132,7 @@ def maxsim_pairs(
     Never builds the [B, B] cross product. Masks and normalize as in maxsim.
     """
     validate.backward_choice(backward)
+    normalize = validate.flag("normalize", normalize)
     Q = validate.tensor("Q", Q, (3,), "[B, Lq, d]")
     D = validate.tensor("D", D, (3,), "[B, Ld, d]")
     validate.same_dtype_and_device(Q, D)

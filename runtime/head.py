@@ -350,8 +350,7 @@ class _MaxSimFromHidden(torch.autograd.Function):
 
 
 def _validate(Q, H_d, W, b, d_mask, normalize):
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    validate.flag("normalize", normalize)
     Q = validate.tensor("Q", Q, (2, 3), _Q_DOC)
     H_d = validate.tensor("H_d", H_d, (3,), "[Nd, Ld, d_model]")
     W = validate.tensor("W", W, (2,), "[d, d_model] (nn.Linear.weight)")

@@ -218,6 +218,7 @@ def maxsim_varlen(
     maxsim (None/"auto", "unified", "lowmem").
     """
     validate.backward_choice(backward)
+    normalize = validate.flag("normalize", normalize)
     Q, D, cu_q, cu_d = _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d)
     bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], max_seqlen_q, max_seqlen_d)
     _check_query_bound(bound)
@@ -242,6 +243,7 @@ def score_pairs_packed(
     One launch for any list of pairs; no [Nq, Nd] buffer. A pair index outside [0, Nq) or
     [0, Nd) is caught by the kernel (no host sync) and scores NaN. Autograd-aware.
     """
+    normalize = validate.flag("normalize", normalize)
     Q, D, cu_q, cu_d = _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d)
     q_idx = _indices("pair_q_idx", pair_q_idx, Q.device)
     d_idx = _indices("pair_d_idx", pair_d_idx, Q.device)

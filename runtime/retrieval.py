@@ -245,6 +245,8 @@ def retrieve(
     each row best first. Inference only: runs under torch.no_grad.
     """
     top_k, chunk, d_mask = _validated(Q, D, top_k, q_mask, d_mask, chunk)
+    normalize, largest = validate.flag("normalize", normalize), validate.flag("largest", largest)
+    sorted = validate.flag("sorted", sorted)
     k = min(top_k, D.shape[0])
     with torch.no_grad():
         if _epilogue_applies(Q, D, k, chunk, largest):

@@ -43,7 +43,7 @@ class MaxSimScorer(nn.Module):
             raise TypeError(
                 f"mask_pad_token must be None or an int token id, got {mask_pad_token!r}"
             )
-        self.normalize = normalize
+        self.normalize = validate.flag("normalize", normalize)
         self.backward = backward
         self.mask_pad_token = mask_pad_token
 

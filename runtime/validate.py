@@ -44,6 +44,9 @@ def head_dims(Q: torch.Tensor, D: torch.Tensor) -> None:
             f"Q and D must share the head dim (last axis): Q has {Q.shape[-1]} "
             f"({describe(Q)}), D has {D.shape[-1]} ({describe(D)})"
         )
+    if Q.shape[-1] == 0:
+        raise ValueError(f"Q and D must have a head dim (last axis) of at least 1, got 0 "
+                         f"({describe(Q)})")  # fmt: skip
     if Q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head dim {Q.shape[-1]} exceeds the largest supported, {MAX_HEAD_DIM}")
 
@@ -73,6 +76,16 @@ def mask(
     if value.device != device:
         raise ValueError(f"{name} must be on {device} like Q and D, got {value.device}")
     return value if value.dtype == torch.bool else value != 0
+
+
+def flag(name: str, value: object) -> bool:
+    """A bool argument (Python's or NumPy's): strings, None and numbers are refused, not
+    read by their truthiness."""
+    kind = type(value)
+    numpy_bool = kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    if isinstance(value, bool) or numpy_bool:
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def backward_choice(backward: object) -> None:

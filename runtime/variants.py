@@ -18,6 +18,7 @@ reference or the eager reference (lik.runtime.metal).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -212,7 +213,11 @@ def _weights(weights: object, expected: tuple[int, ...], device: torch.device) -
 
 
 def _layout(pairs: bool) -> str:
-    return "pairs" if pairs else "dense"
+    return "pairs" if validate.flag("pairs", pairs) else "dense"
+
+
+def _flag(normalize: object) -> bool:
+    return validate.flag("normalize", normalize)
 
 
 def maxsim_weighted(
@@ -229,7 +234,7 @@ def maxsim_weighted(
     (IDF-style or learned). weights [Nq, Lq] ([Lq] for a [Lq, d] query), float; the
     gradient reaches them too. Layouts as in the module docstring (in-batch, or pairs=True:
     the maxsim_pairs layout)."""
-    call = _Call("weighted", _layout(pairs), normalize, 1.0, 1)
+    call = _Call("weighted", _layout(pairs), _flag(normalize), 1.0, 1)
     if weights is None:
         raise TypeError("maxsim_weighted needs weights [Nq, Lq] (use maxsim without weights)")
     return _score(call, Q, D, weights, q_mask, d_mask)
@@ -247,10 +252,10 @@ def maxsim_smooth(
 ) -> torch.Tensor:
     """sum_s tau * logsumexp_t(<Q[s], D[t]> / tau): a smooth max over doc tokens that
     tends to MaxSim as tau -> 0 and spreads the gradient over near-winners (colpali-engine's
-    use_smooth_max). tau > 0. Layouts as in the module docstring."""
-    if not isinstance(tau, int | float) or isinstance(tau, bool) or not tau > 0:
-        raise ValueError(f"tau must be a positive number, got {tau!r}")
-    call = _Call("smooth", _layout(pairs), normalize, float(tau), 1)
+    use_smooth_max). 0 < tau < inf. Layouts as in the module docstring."""
+    if not isinstance(tau, int | float) or isinstance(tau, bool) or not 0 < tau < math.inf:
+        raise ValueError(f"tau must be a finite positive number, got {tau!r}")
+    call = _Call("smooth", _layout(pairs), _flag(normalize), float(tau), 1)
     return _score(call, Q, D, None, q_mask, d_mask)
 
 
@@ -269,5 +274,5 @@ def maxsim_topk_mean(
     keep the earlier doc tokens. 1 <= k <= 16. Layouts as in the module docstring."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_TOKEN_K:
         raise ValueError(f"k must be an integer in [1, {MAX_TOKEN_K}], got {k!r}")
-    call = _Call("topk_mean", _layout(pairs), normalize, 1.0, k)
+    call = _Call("topk_mean", _layout(pairs), _flag(normalize), 1.0, k)
     return _score(call, Q, D, None, q_mask, d_mask)

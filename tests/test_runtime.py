@@ -151,3 +151,33 @@ def test_integer_masks_score_as_bool_masks_on_every_path(lik_path, entry):
     }[entry]
     as_int = call(q_mask.long() * 2, d_mask.to(torch.int32))
     assert torch.equal(as_int, call(q_mask, d_mask))
+
+
+FLAG_CALLS = {
+    "maxsim normalize": lambda Q, D, v: maxsim(Q, D, normalize=v),
+    "maxsim_pairs normalize": lambda Q, D, v: maxsim_pairs(Q, D, normalize=v),
+    "retrieve largest": lambda Q, D, v: __import__("lik").runtime.retrieve(Q, D, 2, largest=v),
+    "retrieve sorted": lambda Q, D, v: __import__("lik").runtime.retrieve(Q, D, 2, sorted=v),
+    "MaxSimScorer normalize": lambda Q, D, v: __import__("lik").runtime.MaxSimScorer(normalize=v),
+}
+
+
+@pytest.mark.parametrize("value", ["yes", None, 1])
+@pytest.mark.parametrize("call", list(FLAG_CALLS))
+def test_bool_flags_are_refused_unless_bools(call, value):
+    # Not read by truthiness: "yes", None and 1 are refused, naming the argument.
+    Q, D = torch.randn(3, 4, 8), torch.randn(3, 5, 8)
+    name = call.split()[-1]
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        FLAG_CALLS[call](Q, D, value)
+
+
+def test_numpy_bools_are_bools():
+    numpy = pytest.importorskip("numpy")
+    Q, D = torch.randn(3, 4, 8), torch.randn(3, 5, 8)
+    assert torch.equal(maxsim(Q, D, normalize=numpy.True_), maxsim(Q, D, normalize=True))
+
+
+def test_a_zero_head_dim_is_refused():
+    with pytest.raises(ValueError, match="head dim .* at least 1"):
+        maxsim(torch.randn(2, 3, 0), torch.randn(4, 5, 0))

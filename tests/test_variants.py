@@ -254,7 +254,10 @@ def _smooth(Q, D, **kw):
 
 
 BAD_CALLS = [
-    (lambda Q, D: _smooth(Q, D, tau=0.0), "tau must be a positive"),
+    (lambda Q, D: _smooth(Q, D, tau=0.0), "tau must be a finite positive"),
+    (lambda Q, D: _smooth(Q, D, tau=float("inf")), "tau must be a finite positive"),
+    (lambda Q, D: _smooth(Q, D, normalize="yes"), "normalize must be a bool"),
+    (lambda Q, D: _smooth(Q, D, pairs=None), "pairs must be a bool"),
     (lambda Q, D: variants.maxsim_topk_mean(Q, D, k=0), r"k must be an integer in \[1, 16\]"),
     (lambda Q, D: variants.maxsim_topk_mean(Q, D, k=17), r"k must be an integer"),
     (lambda Q, D: variants.maxsim_weighted(Q, D, torch.rand(2, 5)), r"weights must have shape"),
