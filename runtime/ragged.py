@@ -191,7 +191,8 @@ def _score(layout, Q, D, tensors, bound, normalize, backward):
     if not normalize:  # packed tokens: the first ones are the first query's and doc's
         norm_warning.check(Q, D)
     if dispatch.backend(Q.device) == "reference":
-        return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize, **tensors)
+        return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize,
+                                            max_seqlen_q=bound, **tensors)  # fmt: skip
     strategy = "none"
     if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
         queries = tensors["cu_seqlens_q"].shape[0] - 1

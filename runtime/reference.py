@@ -169,18 +169,36 @@ def score_pairs_packed_reference(
     pair_d_idx: torch.Tensor | None = None,
     layout: str = "packed_pairs",
     normalize: bool = False,
+    max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """Ragged MaxSim over packed tokens: every (query, doc) pair for layout="varlen"
-    ([Nq, Nd]), the listed pairs for "packed_pairs" ([P]). An empty sequence scores 0."""
+    ([Nq, Nd]), the listed pairs for "packed_pairs" ([P]). An empty sequence scores 0.
+
+    A pair the kernels cannot score scores NaN, as they do (their offsets are checked
+    on the device, not read back): a pair index outside [0, N), or a sequence whose
+    offsets run backwards, before 0 or past its packed tokens, or a query longer than
+    max_seqlen_q when given."""
     Q, D = _prepare(Q, D, normalize)
     cu_q, cu_d = cu_seqlens_q.tolist(), cu_seqlens_d.tolist()
+    nq, nd = len(cu_q) - 1, len(cu_d) - 1
     if layout == "varlen":
-        nq, nd = len(cu_q) - 1, len(cu_d) - 1
         pairs = [(i, j) for i in range(nq) for j in range(nd)]
     else:
         pairs = list(zip(pair_q_idx.tolist(), pair_d_idx.tolist(), strict=True))
+
+    def unscorable(cu, index, count, total, bound=None):
+        if not 0 <= index < count:
+            return True
+        start, stop = cu[index], cu[index + 1]
+        return stop < start or start < 0 or stop > total or (bound is not None and
+                                                             stop - start > bound)  # fmt: skip
+
+    nan = Q.new_full((), float("nan"))
     scores = []
     for i, j in pairs:
+        if unscorable(cu_q, i, nq, Q.shape[0], max_seqlen_q) or unscorable(cu_d, j, nd, D.shape[0]):
+            scores.append(nan)
+            continue
         q, d = Q[cu_q[i] : cu_q[i + 1]], D[cu_d[j] : cu_d[j + 1]]
         scores.append(_token_max(q @ d.T, None).sum())
     out = torch.stack(scores) if scores else _empty_scores((0,), Q, D)

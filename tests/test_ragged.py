@@ -402,3 +402,31 @@ def test_ragged_queries_longer_than_fit_are_refused(monkeypatch):
         maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=20, max_seqlen_d=5)
     assert maxsim_varlen(Q[:16], D, torch.tensor([0, 16], dtype=torch.int32, device=DEVICE),
                          cu_d).shape == (1, 1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "pairs, expected_nan",
+    [(([5], [0]), True), (([0], [2]), True), (([-1], [0]), True), (([0], [-1]), True),
+     (([1], [1]), False)],
+)  # fmt: skip
+def test_out_of_range_pairs_score_nan_on_every_path(lik_path, pairs, expected_nan):
+    # The kernels check pair indices on the device and poison the score; the reference
+    # path does the same (it raised IndexError, or read index -1 as the last sequence).
+    Q, D = torch.randn(7, 16), torch.randn(9, 16)
+    cu_q, cu_d = _offsets([3, 4]), _offsets([4, 5])
+    pair_q, pair_d = (torch.tensor(p) for p in pairs)
+    score = score_pairs_packed(Q.to(DEVICE), D.to(DEVICE), cu_q, cu_d, pair_q, pair_d)
+    assert bool(score.isnan().item()) is expected_nan
+
+
+def test_offsets_past_the_packed_tokens_score_nan_on_every_path(lik_path):
+    # With the bounds given nothing is read back: a doc whose offsets run past D_packed,
+    # and a query longer than max_seqlen_q, score NaN on the reference path as in the
+    # kernels; their other pairs score as usual.
+    Q, D = torch.randn(7, 16).to(DEVICE), torch.randn(9, 16).to(DEVICE)
+    cu_q = _offsets([3, 4])
+    past_the_end = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
+    out = maxsim_varlen(Q, D, cu_q, past_the_end, max_seqlen_q=4)
+    assert out[:, 1].isnan().all() and not out[:, 0].isnan().any()
+    too_long = maxsim_varlen(Q, D, cu_q, _offsets([4, 5]), max_seqlen_q=3, max_seqlen_d=9)
+    assert too_long[1].isnan().all() and not too_long[0].isnan().any()
