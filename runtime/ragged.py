@@ -124,6 +124,8 @@ def _offset_problem(name: str, first: int, last: int, monotone: int, total: int)
 
 def _resolve_bounds(cu_q, cu_d, total_q, total_d, max_seqlen_q, max_seqlen_d):
     """The query bound, after validating offsets (on the device when a bound is given)."""
+    if max_seqlen_d is not None:  # checked, though kernels walk each doc's own length
+        _check_bound("max_seqlen_d", max_seqlen_d)
     if max_seqlen_q is None:
         facts_q, facts_d = _offset_facts(cu_q), _offset_facts(cu_d)
         # One combined host sync for both maxima and every offset check.
@@ -136,8 +138,6 @@ def _resolve_bounds(cu_q, cu_d, total_q, total_d, max_seqlen_q, max_seqlen_d):
         return lq
     # With the bound given, nothing is read back: each kernel program checks the offsets
     # it reads and poisons its score with NaN when they are bad.
-    if max_seqlen_d is not None:
-        _check_bound("max_seqlen_d", max_seqlen_d)
     return _check_bound("max_seqlen_q", max_seqlen_q)
 
 
@@ -261,10 +261,14 @@ def score_pairs_packed(
 
 
 def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or tuple(value.shape) != rows:
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{name} must have shape {rows}, got {got}")
-    if value.dtype.is_floating_point:
+    """Lengths as int64 on `device`, clamped to [0, limit] (pack_padded's validate=True
+    refuses those out of range first)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an integer tensor of shape {rows}, got "
+                        f"{type(value).__name__}")  # fmt: skip
+    if tuple(value.shape) != rows:
+        raise ValueError(f"{name} must have shape {rows}, got {tuple(value.shape)}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
     return value.to(device=device, dtype=torch.int64).clamp(0, limit)
 
@@ -296,19 +300,20 @@ def pack_padded(
     """Packs a padded rerank batch (query b against its C candidates) for score_pairs_packed.
 
     queries [B, Lq, d], documents [B, C, Ld, d], query_lengths [B], doc_lengths [B, C].
-    Lengths longer than the padded axis raise with validate=True (one host sync); without
-    it they are clamped to the padded length. Tokens past a length are dropped.
+    Lengths outside [0, padded axis] raise with validate=True (one host sync); without
+    it they are clamped into it. Tokens past a length are dropped.
     """
     queries, documents = _padded_inputs(queries, documents)
     (B, Lq, d), C, Ld = queries.shape, documents.shape[1], documents.shape[2]
-    if validate:
-        too_long = torch.stack([(query_lengths > Lq).any(), (doc_lengths > Ld).any()]).tolist()
-        if too_long[0] or too_long[1]:
-            raise ValueError(
-                f"lengths exceed the padded axes (query_lengths <= {Lq}, doc_lengths <= {Ld})"
-            )
     q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
     d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device).reshape(-1)
+    if validate:
+        q_raw, d_raw = query_lengths.to(queries.device), doc_lengths.to(queries.device)
+        outside = torch.stack([((q_raw < 0) | (q_raw > Lq)).any(),
+                               ((d_raw < 0) | (d_raw > Ld)).any()]).tolist()  # fmt: skip
+        if outside[0] or outside[1]:
+            raise ValueError(f"lengths outside the padded axes (0 <= query_lengths <= {Lq}, "
+                             f"0 <= doc_lengths <= {Ld})")  # fmt: skip
     q_keep = torch.arange(Lq, device=queries.device)[None, :] < q_len[:, None]
     d_keep = torch.arange(Ld, device=queries.device)[None, :] < d_len[:, None]
     zero = torch.zeros(1, dtype=torch.int64, device=queries.device)
@@ -335,12 +340,16 @@ def maxsim_padded(
     doc_lengths: torch.Tensor,
 ) -> torch.Tensor:
     """Scores each query's C candidates -> [B, C] fp32, ignoring padding past the lengths.
-    Queries padded past what one packed launch scores whole (LQ_CHUNK tokens, fewer where
-    shared memory is short) are scored as maxsim's KD layout with length masks instead,
-    which splits them into chunks: the same scores."""
+    Lengths are clamped into [0, padded axis] without a host sync (pack_padded with
+    validate=True refuses them instead). Queries padded past what one packed launch
+    scores whole (LQ_CHUNK tokens, fewer where shared memory is short) are scored as
+    maxsim's KD layout with length masks instead, which splits them into chunks: the
+    same scores."""
     queries, documents = _padded_inputs(queries, documents)
     (B, Lq, _), (C, Ld) = queries.shape, documents.shape[1:3]
     if B * C == 0:
+        _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
+        _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
     if Lq > dispatch.layout_query_chunk("packed_pairs", queries):
         q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)

@@ -367,10 +367,39 @@ def test_padded_inputs_are_checked_by_name(queries, documents, error, message):
         maxsim_padded(queries, documents, torch.tensor([4]), torch.tensor([[5, 5]]))
 
 
-def test_pack_padded_validate_rejects_long_lengths():
+@pytest.mark.parametrize(
+    "query_lengths, doc_lengths",
+    [([5], [[5, 5]]), ([-1], [[5, 5]]), ([4], [[6, 5]]), ([4], [[5, -2]])],
+)
+def test_pack_padded_validate_rejects_lengths_outside_the_padded_axes(query_lengths, doc_lengths):
     queries, documents = torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match="exceed the padded axes"):
-        pack_padded(queries, documents, torch.tensor([5]), torch.tensor([[5, 5]]), validate=True)
+    with pytest.raises(ValueError, match="lengths outside the padded axes"):
+        pack_padded(queries, documents, torch.tensor(query_lengths), torch.tensor(doc_lengths),
+                    validate=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "query_lengths, error, message",
+    [([4], TypeError, "query_lengths must be an integer tensor"),
+     (torch.tensor([True]), TypeError, "query_lengths must be an integer tensor, got torch.bool"),
+     (torch.tensor([4.0]), TypeError, "query_lengths must be an integer tensor"),
+     (torch.tensor([4, 4]), ValueError, r"query_lengths must have shape \(1,\)")],
+)  # fmt: skip
+def test_lengths_are_checked_by_name(query_lengths, error, message):
+    queries, documents = torch.randn(1, 4, 8), torch.randn(1, 2, 5, 8)
+    for validate in (False, True):
+        with pytest.raises(error, match=message):
+            pack_padded(queries, documents, query_lengths, torch.tensor([[5, 5]]),
+                        validate=validate)  # fmt: skip
+    with pytest.raises(error, match=message):  # an empty batch too
+        no_docs = torch.zeros(1, 0, dtype=torch.int64)
+        maxsim_padded(queries, documents[:, :0], query_lengths, no_docs)
+
+
+def test_a_doc_bound_is_checked_without_a_query_bound():
+    Q, D, cu_q, cu_d = _batch(8, 2, 3)
+    with pytest.raises(ValueError, match="max_seqlen_d must be a non-negative int"):
+        maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_d=-1)
 
 
 def test_variants_exist_for_every_ragged_call():
