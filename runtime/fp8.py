@@ -256,7 +256,8 @@ def maxsim_inference_fp8(
     tensor (shape () or (1,)) or per token (Q.shape[:-1]); scale_D likewise for D; the
     scores are those of the dequantized inputs Q.float() * scale_Q, D.float() * scale_D.
     Masks as in maxsim (bool, True = valid): q_mask Q.shape[:-1], d_mask D.shape[:-1].
-    No host sync. Inference only (no autograd).
+    No host sync, so scale values are not read: a zero or negative scale scores as given
+    (the quantize functions only make positive ones). Inference only (no autograd).
     """
     Q = _check_fp8("Q", Q, f" {_Q_DOC}")
     D = _check_fp8("D", D, f" {_D_DOC}")

@@ -253,9 +253,11 @@ def maxsim_residual(
 
     codes [B, Ld] int32/int64 centroid ids; residuals [B, Ld, ceil(d * nbits / 8)] uint8;
     doc_lengths [B] int32/int64, doc b's valid tokens are t < doc_lengths[b] (an empty doc
-    scores 0); centroids [n_centroids, d] fp32/fp16/bf16 (picks the kernel's dot dtype);
-    bucket_weights [2 ** nbits]; nbits in (2, 4, 8). Autograd flows to Q only; with Q
-    requiring grad, a zero-length doc raises ValueError (one host sync checks it).
+    scores 0; a length outside [0, Ld], or a code outside [0, n_centroids), scores NaN,
+    checked without a host sync); centroids [n_centroids, d] fp32/fp16/bf16 (picks the
+    kernel's dot dtype); bucket_weights [2 ** nbits]; nbits in (2, 4, 8). Autograd flows
+    to Q only; with Q requiring grad, a zero-length doc raises ValueError (one host sync
+    checks it).
     """
     Q = _query(Q)
     nbits = _nbits(nbits)
