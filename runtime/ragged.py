@@ -76,9 +76,10 @@ def _arange_offsets(count: int, length: int, device: torch.device) -> torch.Tens
 
 
 def _offsets(name: str, value: object, total: int, device: torch.device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() < 1:
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{name} must be a 1-D int32 tensor [N + 1], got {got}")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D int32 tensor [N + 1], got {type(value).__name__}")
+    if value.dim() != 1 or value.numel() < 1:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [N + 1], got {tuple(value.shape)}")
     if value.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {value.dtype}")
     if value.device != device:
@@ -87,8 +88,10 @@ def _offsets(name: str, value: object, total: int, device: torch.device) -> torc
 
 
 def _indices(name: str, value: object, device: torch.device) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D integer tensor [P]")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer tensor [P], got {type(value).__name__}")
+    if value.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D integer tensor [P], got {tuple(value.shape)}")
     if value.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be int32 or int64, got {value.dtype}")
     if value.device != device:

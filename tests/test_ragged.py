@@ -459,3 +459,22 @@ def test_offsets_past_the_packed_tokens_score_nan_on_every_path(lik_path):
     assert out[:, 1].isnan().all() and not out[:, 0].isnan().any()
     too_long = maxsim_varlen(Q, D, cu_q, _offsets([4, 5]), max_seqlen_q=3, max_seqlen_d=9)
     assert too_long[1].isnan().all() and not too_long[0].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "argument, error, message",
+    [("cu_seqlens_q", TypeError, "cu_seqlens_q must be a 1-D int32 tensor .*got list"),
+     ("cu_seqlens_d", ValueError, r"cu_seqlens_d must be a 1-D int32 tensor .*got \(1, 3\)"),
+     ("pair_q_idx", TypeError, "pair_q_idx must be a 1-D integer tensor .*got list"),
+     ("pair_d_idx", ValueError, r"pair_d_idx must be a 1-D integer tensor .*got \(1, 1\)")],
+)  # fmt: skip
+def test_offsets_and_pair_indices_are_checked_by_name(argument, error, message):
+    Q, D = torch.randn(7, 16, device=DEVICE), torch.randn(9, 16, device=DEVICE)
+    arguments = {"cu_seqlens_q": _offsets([3, 4]), "cu_seqlens_d": _offsets([4, 5]),
+                 "pair_q_idx": torch.tensor([0], device=DEVICE),
+                 "pair_d_idx": torch.tensor([1], device=DEVICE)}  # fmt: skip
+    bad = {"cu_seqlens_q": [0, 3, 7], "cu_seqlens_d": arguments["cu_seqlens_d"][None],
+           "pair_q_idx": [0], "pair_d_idx": arguments["pair_d_idx"][None]}  # fmt: skip
+    arguments[argument] = bad[argument]
+    with pytest.raises(error, match=message):
+        score_pairs_packed(Q, D, **arguments)
