@@ -23,7 +23,6 @@ import functools
 import torch
 
 from lik.runtime import dispatch, norm_warning, validate, workspace
-from lik.runtime import validate as checks  # inside pack_padded, `validate` is its flag
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -276,47 +275,30 @@ def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device
     return value.to(device=device, dtype=torch.int64).clamp(0, limit)
 
 
-def _padded_inputs(queries: object, documents: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """queries [B, Lq, d] and documents [B, C, Ld, d], checked by name."""
-    queries = checks.tensor("queries", queries, (3,), "[B, Lq, d]")
-    documents = checks.tensor("documents", documents, (4,), "[B, C, Ld, d]")
+def _padded_inputs(queries: object, documents: object, query_lengths: object,
+                   doc_lengths: object) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """queries [B, Lq, d], documents [B, C, Ld, d] and their lengths (int64, clamped into
+    the padded axes), checked by name."""
+    queries = validate.tensor("queries", queries, (3,), "[B, Lq, d]")
+    documents = validate.tensor("documents", documents, (4,), "[B, C, Ld, d]")
     if documents.device != queries.device:
         raise ValueError(f"queries and documents must be on one device: queries on "
                          f"{queries.device}, documents on {documents.device}")  # fmt: skip
     if documents.dtype != queries.dtype:
         raise TypeError(f"queries and documents must share a dtype: queries are "
                         f"{queries.dtype}, documents {documents.dtype}")  # fmt: skip
-    B, d = queries.shape[0], queries.shape[-1]
+    (B, Lq, d), (C, Ld) = queries.shape, documents.shape[1:3]
     if documents.shape[0] != B or documents.shape[-1] != d:
         raise ValueError(f"documents must be [B={B}, C, Ld, d={d}], got {tuple(documents.shape)}")
-    return queries, documents
-
-
-def pack_padded(
-    queries: torch.Tensor,
-    documents: torch.Tensor,
-    query_lengths: torch.Tensor,
-    doc_lengths: torch.Tensor,
-    *,
-    validate: bool = False,
-) -> PackedBatch:
-    """Packs a padded rerank batch (query b against its C candidates) for score_pairs_packed.
-
-    queries [B, Lq, d], documents [B, C, Ld, d], query_lengths [B], doc_lengths [B, C].
-    Lengths outside [0, padded axis] raise with validate=True (one host sync); without
-    it they are clamped into it. Tokens past a length are dropped.
-    """
-    queries, documents = _padded_inputs(queries, documents)
-    (B, Lq, d), C, Ld = queries.shape, documents.shape[1], documents.shape[2]
     q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
-    d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device).reshape(-1)
-    if validate:
-        q_raw, d_raw = query_lengths.to(queries.device), doc_lengths.to(queries.device)
-        outside = torch.stack([((q_raw < 0) | (q_raw > Lq)).any(),
-                               ((d_raw < 0) | (d_raw > Ld)).any()]).tolist()  # fmt: skip
-        if outside[0] or outside[1]:
-            raise ValueError(f"lengths outside the padded axes (0 <= query_lengths <= {Lq}, "
-                             f"0 <= doc_lengths <= {Ld})")  # fmt: skip
+    d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)
+    return queries, documents, q_len, d_len
+
+
+def _pack(queries, documents, q_len, d_len) -> PackedBatch:
+    """The PackedBatch of checked padded inputs and clamped lengths."""
+    (B, Lq, d), (C, Ld) = queries.shape, documents.shape[1:3]
+    d_len = d_len.reshape(-1)
     q_keep = torch.arange(Lq, device=queries.device)[None, :] < q_len[:, None]
     d_keep = torch.arange(Ld, device=queries.device)[None, :] < d_len[:, None]
     zero = torch.zeros(1, dtype=torch.int64, device=queries.device)
@@ -336,6 +318,32 @@ def pack_padded(
     )
 
 
+def pack_padded(
+    queries: torch.Tensor,
+    documents: torch.Tensor,
+    query_lengths: torch.Tensor,
+    doc_lengths: torch.Tensor,
+    *,
+    validate: bool = False,
+) -> PackedBatch:
+    """Packs a padded rerank batch (query b against its C candidates) for score_pairs_packed.
+
+    queries [B, Lq, d], documents [B, C, Ld, d], query_lengths [B], doc_lengths [B, C].
+    Lengths outside [0, padded axis] raise with validate=True (one host sync); without
+    it they are clamped into it. Tokens past a length are dropped.
+    """
+    checked = _padded_inputs(queries, documents, query_lengths, doc_lengths)
+    if validate:
+        Lq, Ld = checked[0].shape[1], checked[1].shape[2]
+        q_raw, d_raw = (t.to(checked[0].device) for t in (query_lengths, doc_lengths))
+        outside = torch.stack([((q_raw < 0) | (q_raw > Lq)).any(),
+                               ((d_raw < 0) | (d_raw > Ld)).any()]).tolist()  # fmt: skip
+        if outside[0] or outside[1]:
+            raise ValueError(f"lengths outside the padded axes (0 <= query_lengths <= {Lq}, "
+                             f"0 <= doc_lengths <= {Ld})")  # fmt: skip
+    return _pack(*checked)
+
+
 def maxsim_padded(
     queries: torch.Tensor,
     documents: torch.Tensor,
@@ -348,19 +356,16 @@ def maxsim_padded(
     scores whole (LQ_CHUNK tokens, fewer where shared memory is short) are scored as
     maxsim's KD layout with length masks instead, which splits them into chunks: the
     same scores."""
-    queries, documents = _padded_inputs(queries, documents)
+    queries, documents, q_len, d_len = _padded_inputs(queries, documents, query_lengths,
+                                                      doc_lengths)  # fmt: skip
     (B, Lq, _), (C, Ld) = queries.shape, documents.shape[1:3]
     if B * C == 0:
-        _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
-        _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
     if Lq > dispatch.layout_query_chunk("packed_pairs", queries):
-        q_len = _lengths("query_lengths", query_lengths, (B,), Lq, queries.device)
-        d_len = _lengths("doc_lengths", doc_lengths, (B, C), Ld, queries.device)
         q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
         d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
         return maxsim(queries, documents, q_mask, d_mask)
-    batch = pack_padded(queries, documents, query_lengths, doc_lengths)
+    batch = _pack(queries, documents, q_len, d_len)
     scores = score_pairs_packed(
         batch.Q_packed, batch.D_packed, batch.cu_seqlens_q, batch.cu_seqlens_d,
         batch.pair_q_idx, batch.pair_d_idx,
