@@ -212,12 +212,10 @@ def _weights(weights: object, expected: tuple[int, ...], device: torch.device) -
     return weights
 
 
-def _layout(pairs: bool) -> str:
-    return "pairs" if validate.flag("pairs", pairs) else "dense"
-
-
-def _flag(normalize: object) -> bool:
-    return validate.flag("normalize", normalize)
+def _call(score: str, pairs: object, normalize: object, tau: float = 1.0, k: int = 1) -> _Call:
+    """The call of a token score, its bool arguments checked."""
+    layout = "pairs" if validate.flag("pairs", pairs) else "dense"
+    return _Call(score, layout, validate.flag("normalize", normalize), tau, k)
 
 
 def maxsim_weighted(
@@ -234,7 +232,7 @@ def maxsim_weighted(
     (IDF-style or learned). weights [Nq, Lq] ([Lq] for a [Lq, d] query), float; the
     gradient reaches them too. Layouts as in the module docstring (in-batch, or pairs=True:
     the maxsim_pairs layout)."""
-    call = _Call("weighted", _layout(pairs), _flag(normalize), 1.0, 1)
+    call = _call("weighted", pairs, normalize)
     if weights is None:
         raise TypeError("maxsim_weighted needs weights [Nq, Lq] (use maxsim without weights)")
     return _score(call, Q, D, weights, q_mask, d_mask)
@@ -255,7 +253,7 @@ def maxsim_smooth(
     use_smooth_max). 0 < tau < inf. Layouts as in the module docstring."""
     if not isinstance(tau, int | float) or isinstance(tau, bool) or not 0 < tau < math.inf:
         raise ValueError(f"tau must be a finite positive number, got {tau!r}")
-    call = _Call("smooth", _layout(pairs), _flag(normalize), float(tau), 1)
+    call = _call("smooth", pairs, normalize, tau=float(tau))
     return _score(call, Q, D, None, q_mask, d_mask)
 
 
@@ -274,5 +272,5 @@ def maxsim_topk_mean(
     keep the earlier doc tokens. 1 <= k <= 16. Layouts as in the module docstring."""
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_TOKEN_K:
         raise ValueError(f"k must be an integer in [1, {MAX_TOKEN_K}], got {k!r}")
-    call = _Call("topk_mean", _layout(pairs), _flag(normalize), 1.0, k)
+    call = _call("topk_mean", pairs, normalize, k=k)
     return _score(call, Q, D, None, q_mask, d_mask)
