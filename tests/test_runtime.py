@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lik.runtime import describe_backend, dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime import (
+    MaxSimScorer,
+    describe_backend,
+    dispatch,
+    maxsim,
+    maxsim_pairs,
+    registry,
+    retrieve,
+)
 from lik.runtime.keys import KernelKey, lq_bucket, padded_head_dim, size_class, variant_name
 from lik.runtime.tuning import config_for, default_config
 
@@ -137,7 +145,7 @@ def test_unknown_variant_names_say_how_to_add_one():
 @pytest.mark.parametrize("entry", ["maxsim", "maxsim_pairs", "retrieve", "maxsim_smooth"])
 def test_integer_masks_score_as_bool_masks_on_every_path(lik_path, entry):
     # HF-style int64 attention masks, nonzero = valid (2 counts as valid too).
-    from lik.runtime import maxsim_smooth, retrieve
+    from lik.runtime import maxsim_smooth
 
     generator = torch.Generator().manual_seed(21)
     Q, D = torch.randn(3, 6, 16, generator=generator), torch.randn(3, 9, 16, generator=generator)
@@ -156,9 +164,9 @@ def test_integer_masks_score_as_bool_masks_on_every_path(lik_path, entry):
 FLAG_CALLS = {
     "maxsim normalize": lambda Q, D, v: maxsim(Q, D, normalize=v),
     "maxsim_pairs normalize": lambda Q, D, v: maxsim_pairs(Q, D, normalize=v),
-    "retrieve largest": lambda Q, D, v: __import__("lik").runtime.retrieve(Q, D, 2, largest=v),
-    "retrieve sorted": lambda Q, D, v: __import__("lik").runtime.retrieve(Q, D, 2, sorted=v),
-    "MaxSimScorer normalize": lambda Q, D, v: __import__("lik").runtime.MaxSimScorer(normalize=v),
+    "retrieve largest": lambda Q, D, v: retrieve(Q, D, 2, largest=v),
+    "retrieve sorted": lambda Q, D, v: retrieve(Q, D, 2, sorted=v),
+    "MaxSimScorer normalize": lambda Q, D, v: MaxSimScorer(normalize=v),
 }
 
 
