@@ -141,6 +141,14 @@ def _trainable(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return wide, wide[..., 1::2]
 
 
+def _bounded_kd_docs(rows: int, per_row: int, ld: int, d: int, limit: float) -> tuple[int, int]:
+    """(rows, ld) halved, the larger first, until [rows, per_row, ld, d] docs hold at most
+    `limit` elements (a KD or padded batch of docs, one block of them per query)."""
+    while rows * per_row * ld * d > limit:
+        rows, ld = (max(1, rows // 2), ld) if rows >= ld else (rows, max(1, ld // 2))
+    return rows, ld
+
+
 def _with_gradients(draw: Draw, score, reference, inputs, tolerance, names):
     """Checks of score(*inputs), in the inputs' memory layouts, and of the gradients of a
     random weighting of it."""
@@ -167,8 +175,7 @@ def maxsim_case(draw: Draw, grad: bool):
     nq, nd, lq, ld, d = draw.sizes(grad)
     if layout == "kd":  # Nq x K docs: K of a few dozen, and their elements bounded
         nd = min(nd, 64)
-        while nq * nd * ld * d > draw.scale.scored_tokens:
-            nq, ld = (max(1, nq // 2), ld) if nq >= ld else (nq, max(1, ld // 2))
+        nq, ld = _bounded_kd_docs(nq, nd, ld, d, draw.scale.scored_tokens)
     q_shape = (lq, d) if layout == "one query" else (nq, lq, d)
     d_shape = {"kd": (nq, nd, ld, d), "pairs": (nq, ld, d), "one doc": (ld, d)}.get(
         layout, (nd, ld, d)
@@ -313,8 +320,7 @@ def padded_case(draw: Draw, grad: bool):
     dtype = draw.choice(DTYPES)
     nq, nd, lq, ld, d = draw.sizes(grad=False)
     batch, candidates = nq, max(1, min(nd, 64))
-    while batch * candidates * ld * d > s.scored_tokens:  # the padded docs' elements
-        batch, ld = (max(1, batch // 2), ld) if batch >= ld else (batch, max(1, ld // 2))
+    batch, ld = _bounded_kd_docs(batch, candidates, ld, d, s.scored_tokens)
     queries, q_layout = draw.tensor((batch, lq, d), dtype)
     documents, d_layout = draw.tensor((batch, candidates, ld, d), dtype)
     index = {"generator": draw.generator, "device": draw.device}
