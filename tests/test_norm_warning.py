@@ -115,4 +115,7 @@ def test_the_check_costs_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()  # the sample has reached the host
-    assert first == [] and len(_warnings(lambda: lik.maxsim(Q, D))) == 1
+    # An idle GPU may finish the copy before the first call returns, so that call may
+    # already warn; either way the process is warned exactly once.
+    later = _warnings(lambda: lik.maxsim(Q, D)) + _warnings(lambda: lik.maxsim(Q, D))
+    assert len(first) + len(later) == 1
