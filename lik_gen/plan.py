@@ -333,7 +333,7 @@ def _strides(prefix: str, tensor: str, axes: tuple[str, ...]) -> list[KernelArg]
 _KERNEL_SIZES = {
     "fwd": {Layout.DENSE: ("Nq", "Lq", "Ld"), Layout.KD: ("K", "Lq", "Ld"),
             Layout.PAIRS: ("Lq", "Ld"),
-            Layout.VARLEN: ("Nq", "max_seqlen_q", "total_q", "total_d"),
+            Layout.VARLEN: ("Nq", "Nd", "max_seqlen_q", "total_q", "total_d"),
             Layout.PACKED_PAIRS: ("Nq", "Nd", "max_seqlen_q", "total_q", "total_d")},
     "bwd": {Layout.DENSE: ("Nq", "Nd", "Lq"), Layout.KD: ("K", "Lq"), Layout.PAIRS: ("Lq",),
             Layout.VARLEN: ("Nq", "Nd", "total_q"),

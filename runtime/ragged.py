@@ -10,7 +10,9 @@ only a hint: the kernels loop over each document's true length, so a wrong docum
 bound costs speed, never tokens. When `max_seqlen_q` is given, nothing is read back to
 the host: every kernel program checks the offsets it reads, and a pair with a bad one
 (negative length, outside the packed tokens, query longer than `max_seqlen_q`) scores
-NaN instead of being truncated or read out of bounds. When it is omitted, one combined
+NaN instead of being truncated or read out of bounds; offsets that do not start at 0 and
+end at the packed length (a missing leading 0, a short last offset) would leave tokens
+out of every sequence, so every score is NaN. When it is omitted, one combined
 host sync computes the maximum and validates the offsets (start at 0, never decrease,
 end at the packed length), raising ValueError on bad ones.
 """

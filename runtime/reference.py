@@ -177,7 +177,8 @@ def score_pairs_packed_reference(
     A pair the kernels cannot score scores NaN, as they do (their offsets are checked
     on the device, not read back): a pair index outside [0, N), or a sequence whose
     offsets run backwards, before 0 or past its packed tokens, or a query longer than
-    max_seqlen_q when given."""
+    max_seqlen_q when given. Offsets that do not start at 0 and end at the packed length
+    poison every score (they would leave tokens out)."""
     Q, D = _prepare(Q, D, normalize)
     cu_q, cu_d = cu_seqlens_q.tolist(), cu_seqlens_d.tolist()
     nq, nd = len(cu_q) - 1, len(cu_d) - 1
@@ -194,9 +195,11 @@ def score_pairs_packed_reference(
                                                              stop - start > bound)  # fmt: skip
 
     nan = Q.new_full((), float("nan"))
+    uncovered = cu_q[0] != 0 or cu_q[-1] != Q.shape[0] or cu_d[0] != 0 or cu_d[-1] != D.shape[0]
     scores = []
     for i, j in pairs:
-        if unscorable(cu_q, i, nq, Q.shape[0], max_seqlen_q) or unscorable(cu_d, j, nd, D.shape[0]):
+        if (uncovered or unscorable(cu_q, i, nq, Q.shape[0], max_seqlen_q)
+                or unscorable(cu_d, j, nd, D.shape[0])):
             scores.append(nan)
             continue
         q, d = Q[cu_q[i] : cu_q[i + 1]], D[cu_d[j] : cu_d[j + 1]]

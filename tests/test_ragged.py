@@ -135,23 +135,28 @@ def test_varlen_lowmem_with_one_query_against_many_docs():
     _check((out, gq, gd), ref, torch.float32)
 
 
-def test_varlen_lowmem_leaves_tokens_outside_valid_sequences_at_zero():
-    """With the bounds given nothing is validated on the host: a doc past the packed
-    tokens scores NaN, and the tokens no valid sequence covers get no gradient."""
+def test_varlen_lowmem_passes_no_gradient_through_a_bad_doc():
+    """With the bounds given nothing is validated on the host: docs whose offsets run
+    past the packed tokens or backwards score NaN, and the tokens no valid doc covers get
+    no gradient; the others score as usual."""
     g = torch.Generator().manual_seed(15)
     Q = torch.randn(12, 16, generator=g).to(DEVICE)
     D = torch.randn(30, 16, generator=g).to(DEVICE)
-    cu_q = torch.tensor([0, 5, 9], dtype=torch.int32, device=DEVICE)  # tokens 9-11 unused
-    cu_d = torch.tensor([0, 10, 20, 40], dtype=torch.int32, device=DEVICE)  # doc 2: past 30
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    # Doc 2 runs past the 30 tokens, doc 3 backwards: tokens 20-29 are in no valid doc.
+    cu_d = torch.tensor([0, 10, 20, 40, 30], dtype=torch.int32, device=DEVICE)
+    keep = [0, 1]
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-    out = maxsim_varlen(Qg, Dg, cu_q, cu_d, 5, 20, backward="lowmem")
-    assert torch.isnan(out[:, 2]).all() and not torch.isnan(out[:, :2]).any()
+    out = maxsim_varlen(Qg, Dg, cu_q, cu_d, 7, 20, backward="lowmem")
+    assert torch.isnan(out[:, 2:]).all() and not torch.isnan(out[:, keep]).any()
     weights = torch.randn(2, 2, generator=g).to(DEVICE)
-    (out[:, :2] * weights).sum().backward()
-    assert torch.all(Qg.grad[9:] == 0) and torch.all(Dg.grad[20:] == 0)
-    want = _reference_grads(Q[:9], D[:20], weights, layout="varlen", cu_seqlens_q=cu_q,
-                            cu_seqlens_d=cu_d[:3])  # fmt: skip
-    _check((Qg.grad[:9], Dg.grad[:20]), want[1:], torch.float32)
+    (out[:, keep] * weights).sum().backward()
+    assert torch.all(Dg.grad[20:] == 0)
+    Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
+    want = score_pairs_packed_reference(Qr, Dr, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d,
+                                        layout="varlen")[:, keep]  # fmt: skip
+    (want * weights.double()).sum().backward()
+    _check((out[:, keep], Qg.grad, Dg.grad), (want, Qr.grad, Dr.grad), torch.float32)
 
 
 def test_varlen_backward_choice():
@@ -237,9 +242,9 @@ def test_bad_offsets_with_given_bounds_poison_only_their_pairs():
     cu_q = torch.tensor([0, 5, 3, 9], dtype=torch.int32, device=DEVICE)  # query 1: length -2
     out = maxsim_varlen(Q, D, cu_q, _offsets([4]), 6, 4)
     assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
-    beyond = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)  # past the 9 tokens
+    beyond = torch.tensor([0, 5, 12, 9], dtype=torch.int32, device=DEVICE)  # 1: past the end
     out = maxsim_varlen(Q, D, beyond, _offsets([4]), 7, 4)
-    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    assert torch.isnan(out[1:]).all() and not torch.isnan(out[0]).any()
 
 
 def test_out_of_range_pair_indices_poison_their_scores():
@@ -454,11 +459,34 @@ def test_offsets_past_the_packed_tokens_score_nan_on_every_path(lik_path):
     # kernels; their other pairs score as usual.
     Q, D = torch.randn(7, 16).to(DEVICE), torch.randn(9, 16).to(DEVICE)
     cu_q = _offsets([3, 4])
-    past_the_end = torch.tensor([0, 4, 12], dtype=torch.int32, device=DEVICE)
+    past_the_end = torch.tensor([0, 4, 12, 9], dtype=torch.int32, device=DEVICE)
     out = maxsim_varlen(Q, D, cu_q, past_the_end, max_seqlen_q=4)
-    assert out[:, 1].isnan().all() and not out[:, 0].isnan().any()
+    assert out[:, 1:].isnan().all() and not out[:, 0].isnan().any()
     too_long = maxsim_varlen(Q, D, cu_q, _offsets([4, 5]), max_seqlen_q=3, max_seqlen_d=9)
     assert too_long[1].isnan().all() and not too_long[0].isnan().any()
+
+
+@pytest.mark.parametrize(
+    "side, offsets",
+    [("q", [3, 7]), ("q", [0, 3, 6]), ("d", [1, 4, 9]), ("d", [0, 4, 8]), ("d", [0, 4, 10])],
+)  # fmt: skip
+@pytest.mark.parametrize("entry", ["maxsim_varlen", "score_pairs_packed"])
+def test_offsets_that_miss_packed_tokens_poison_every_score_on_every_path(lik_path, side,
+                                                                          offsets, entry):
+    # With the bounds given, offsets that do not start at 0 or do not end at the packed
+    # length (a missing leading 0, a short or long last offset) would leave tokens out of
+    # every sequence: every score is NaN, where the host check (no bounds) raises.
+    Q, D = torch.randn(7, 16).to(DEVICE), torch.randn(9, 16).to(DEVICE)
+    cu = {"q": _offsets([3, 4]), "d": _offsets([4, 5])}
+    cu[side] = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    if entry == "maxsim_varlen":
+        out = maxsim_varlen(Q, D, cu["q"], cu["d"], max_seqlen_q=7)
+    else:
+        pairs = torch.tensor([0, 1, 1], device=DEVICE), torch.tensor([1, 0, 1], device=DEVICE)
+        out = score_pairs_packed(Q, D, cu["q"], cu["d"], *pairs, max_seqlen_q=7)
+    assert out.numel() and out.isnan().all()
+    with pytest.raises(ValueError, match=f"cu_seqlens_{side} must"):
+        maxsim_varlen(Q, D, cu["q"], cu["d"])
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp16_triton_norm_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp16", "layout": "packed_pairs", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1e52385886f9d0eddad3fdfc45a0d282e9a0723c77f3318b4f436ca5e89ad791
+# body-sha256: 4c1fd4a9c3d69f9c8ac6900b6e82ec795126ddbd9ec8e9267d62a36030d39895
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp16_triton_norm_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -116,8 +116,14 @@ def maxsim_packedpairs_nomask_fp16_triton_norm_unified_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
+    # Offsets that do not cover the packed tokens exactly (first not 0, last not the packed
+    # length) would leave tokens out of every sequence: all scores are poisoned, as the
+    # host check without a bound refuses them.
+    q_uncovered = (tl.load(cu_seqlens_q) != 0) | (tl.load(cu_seqlens_q + Nq) != total_q)
+    d_uncovered = (tl.load(cu_seqlens_d) != 0) | (tl.load(cu_seqlens_d + Nd) != total_d)
     q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = q_bad | q_uncovered
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d) | d_uncovered
     bad = bad | q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     d_len = tl.where(bad, 0, d_len)

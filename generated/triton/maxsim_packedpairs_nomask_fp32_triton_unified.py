@@ -2,7 +2,7 @@
 # variant: maxsim_packedpairs_nomask_fp32_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "dtype": "fp32", "layout": "packed_pairs", "mask": "none", "normalize": false, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: b26fbd4e6a85f65d521ad65b63ba0bb757019115bde62be634104ec254544e1f
+# body-sha256: 73e2d0307ceda3505a122cd0d16fe999434cb9b0d1e1d8fc0f39b97cd7a78bb6
 
 """MaxSim training (unified backward) for maxsim_packedpairs_nomask_fp32_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -98,8 +98,14 @@ def maxsim_packedpairs_nomask_fp32_triton_unified_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
+    # Offsets that do not cover the packed tokens exactly (first not 0, last not the packed
+    # length) would leave tokens out of every sequence: all scores are poisoned, as the
+    # host check without a bound refuses them.
+    q_uncovered = (tl.load(cu_seqlens_q) != 0) | (tl.load(cu_seqlens_q + Nq) != total_q)
+    d_uncovered = (tl.load(cu_seqlens_d) != 0) | (tl.load(cu_seqlens_d + Nd) != total_d)
     q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = q_bad | q_uncovered
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d) | d_uncovered
     bad = bad | q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     d_len = tl.where(bad, 0, d_len)

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp16_triton_norm
 # spec: {"backward": "none", "decompression": "none", "dtype": "fp16", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2fc4014539feae828af803cce1b29fdf4e229eecefe7a512fefa28ec7c1feb1b
+# body-sha256: 256fc55f6014ad4f4596822f0b35451ea842549a55a80dc51c8545de10822e71
 
 """MaxSim forward for maxsim_varlen_nomask_fp16_triton_norm: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -53,7 +53,7 @@ def _load_doc_tile(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d"])
 def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     Q,
     D,
@@ -61,6 +61,7 @@ def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     cu_seqlens_d,
     Out,
     Nq,
+    Nd,
     max_seqlen_q,
     total_q,
     total_d,
@@ -103,8 +104,14 @@ def maxsim_varlen_nomask_fp16_triton_norm_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
+    # Offsets that do not cover the packed tokens exactly (first not 0, last not the packed
+    # length) would leave tokens out of every sequence: all scores are poisoned, as the
+    # host check without a bound refuses them.
+    q_uncovered = (tl.load(cu_seqlens_q) != 0) | (tl.load(cu_seqlens_q + Nq) != total_q)
+    d_uncovered = (tl.load(cu_seqlens_d) != 0) | (tl.load(cu_seqlens_d + Nd) != total_d)
     q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = q_bad | q_uncovered
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d) | d_uncovered
     bad = q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     # Stacked queries (one q_bad per row) share the doc: its loop bound stays one number.
@@ -182,6 +189,7 @@ def launch(out, Q, D, cu_seqlens_q, cu_seqlens_d, *, max_seqlen_q, config):
         cu_seqlens_d,
         out,
         Nq,
+        Nd,
         max_seqlen_q,
         total_q,
         total_d,

@@ -2,7 +2,7 @@
 # variant: maxsim_varlen_nomask_fp32_triton_norm_res8
 # spec: {"backward": "none", "decompression": "residual8", "dtype": "fp32", "layout": "varlen", "mask": "none", "normalize": true, "op": "maxsim", "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/helpers.py.j2, triton/partials/layout.py.j2
-# body-sha256: e3550707a678da2664ded84e04aa7014be3c7a02c063f64edaed6a369f0415ae
+# body-sha256: cbdd528112a4a68088d4f3818e4387c13588ace57cf3ce50264a0abbedc527de
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_nomask_fp32_triton_norm_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -170,7 +170,7 @@ def _load_doc_tile(
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["Nq", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
+@triton.jit(do_not_specialize=["Nq", "Nd", "max_seqlen_q", "total_q", "total_d", "n_centroids"])
 def maxsim_varlen_nomask_fp32_triton_norm_res8_fwd_kernel(
     Q,
     Codes,
@@ -181,6 +181,7 @@ def maxsim_varlen_nomask_fp32_triton_norm_res8_fwd_kernel(
     cu_seqlens_d,
     Out,
     Nq,
+    Nd,
     max_seqlen_q,
     total_q,
     total_d,
@@ -231,8 +232,14 @@ def maxsim_varlen_nomask_fp32_triton_norm_res8_fwd_kernel(
     # Offsets are checked where they are read: a negative length, a sequence outside the
     # packed tokens, or a query longer than max_seqlen_q (which sized the query tile) reads
     # nothing and poisons the score, instead of truncating or reading out of bounds.
+    # Offsets that do not cover the packed tokens exactly (first not 0, last not the packed
+    # length) would leave tokens out of every sequence: all scores are poisoned, as the
+    # host check without a bound refuses them.
+    q_uncovered = (tl.load(cu_seqlens_q) != 0) | (tl.load(cu_seqlens_q + Nq) != total_q)
+    d_uncovered = (tl.load(cu_seqlens_d) != 0) | (tl.load(cu_seqlens_d + Nd) != total_d)
     q_bad = (q_len < 0) | (q_len > max_seqlen_q) | (q_start < 0) | (q_start + q_len > total_q)
-    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d)
+    q_bad = q_bad | q_uncovered
+    d_bad = (d_len < 0) | (d_start < 0) | (d_start + d_len > total_d) | d_uncovered
     bad = q_bad | d_bad
     q_len = tl.where(bad, 0, q_len)
     # Stacked queries (one q_bad per row) share the doc: its loop bound stays one number.
@@ -349,6 +356,7 @@ def launch(
         cu_seqlens_d,
         out,
         Nq,
+        Nd,
         max_seqlen_q,
         total_q,
         total_d,
