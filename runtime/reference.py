@@ -439,9 +439,11 @@ def plaid_approx_score_reference(
     valid = torch.arange(Ld, device=codes.device) < lengths[:, None]
     code_ok = (codes >= 0) & (codes < n_c)
     bad = (lengths < 0) | (lengths > Ld) | (valid & ~code_ok).any(dim=1)
+    # Bad codes gather row 0 (their docs score NaN); with no centroids, a zero stand-in row.
+    table = scores if n_c else scores.new_zeros(1, Lq)
     parts = []
     for start, stop in _residual_doc_chunks(B, Ld * Lq):
-        sim = scores[torch.where(code_ok[start:stop], codes[start:stop], 0)]  # [c, Ld, Lq]
+        sim = table[torch.where(code_ok[start:stop], codes[start:stop], 0)]  # [c, Ld, Lq]
         best = _token_max(sim.transpose(1, 2), valid[start:stop, None, :])  # [c, Lq]
         parts.append(best.sum(dim=-1))
     out = torch.cat(parts) if parts else scores.new_zeros(0)

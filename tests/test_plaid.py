@@ -482,6 +482,14 @@ def test_approx_score_poisons_bad_codes_and_lengths():
         plaid.plaid_approx_score(scores, codes.float(), lengths)
 
 
+def test_approx_score_with_no_centroids():
+    # Every code is out of range: an empty doc scores 0, any other NaN (it raised
+    # IndexError gathering from the empty table).
+    codes, lengths = torch.zeros(3, 4, dtype=torch.int64), torch.tensor([0, 2, 4])
+    out = plaid.plaid_approx_score(*_to(DEVICE, torch.randn(0, 5), codes, lengths)).cpu()
+    assert out[0] == 0 and torch.isnan(out[1:]).all()
+
+
 # ---------------------------------------------------------------------------------------
 # An index built by fast-plaid (tests/fixtures/plaid/make_fixture.py)
 
