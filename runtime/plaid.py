@@ -23,7 +23,8 @@ bit down; for nbits = 8 each byte is its dim's bucket id with the bits reversed.
 Bad inputs are caught where they are read, without a host sync: a doc length outside
 [0, Ld], a valid token whose code is outside [0, n_centroids), or (varlen, with
 max_seqlen_d given) offsets outside the packed tokens make that doc's score NaN, never a
-truncated or wrong finite score. Shapes, dtypes and devices are checked up front.
+truncated or wrong finite score; varlen offsets that do not start at 0 and end at the
+packed length make every score NaN. Shapes, dtypes and devices are checked up front.
 """
 
 from __future__ import annotations
@@ -313,8 +314,9 @@ def maxsim_residual_varlen(
 
     cu_seqlens_d is int32 [Nd + 1]. Every doc is read to its true length: max_seqlen_d is a
     hint that never truncates. Without it, one host sync validates the offsets (start at
-    0, never decrease, end at T) and raises ValueError; with it, nothing is read back and a
-    doc with bad offsets scores NaN.
+    0, never decrease, end at T) and raises ValueError; with it, nothing is read back, a
+    doc with bad offsets scores NaN, and offsets that do not start at 0 and end at T make
+    every score NaN.
     """
     Q = _query(Q)
     nbits = _nbits(nbits)

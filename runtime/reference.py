@@ -408,17 +408,25 @@ def maxsim_residual_varlen_reference(
     normalize: bool = True,
 ) -> torch.Tensor:
     """maxsim_residual_reference over packed index tokens: doc j is tokens
-    cu_seqlens_d[j] : cu_seqlens_d[j + 1] of codes_flat [T] and residuals_flat [T, bytes]."""
+    cu_seqlens_d[j] : cu_seqlens_d[j + 1] of codes_flat [T] and residuals_flat [T, bytes].
+    As in the kernels, a doc whose offsets run backwards, before 0 or past T scores NaN,
+    and offsets that do not start at 0 and end at T poison every score."""
     cu = cu_seqlens_d.long()
+    total = codes_flat.shape[0]
     lengths = cu[1:] - cu[:-1]
+    bad = (lengths < 0) | (cu[:-1] < 0) | (cu[1:] > total)
+    if cu[0] != 0 or cu[-1] != total:
+        bad = torch.ones_like(bad)
+    lengths = torch.where(bad, 0, lengths)
     longest = int(lengths.max()) if lengths.numel() else 0
     # Repack as a padded batch; padding reads some token in range, masked by the lengths.
-    last = max(codes_flat.shape[0] - 1, 0)
-    index = (cu[:-1, None] + torch.arange(longest, device=cu.device)).clamp(0, last)
-    return maxsim_residual_reference(
+    index = (cu[:-1, None].clamp(0, total) + torch.arange(longest, device=cu.device))
+    index = index.clamp(0, max(total - 1, 0))
+    out = maxsim_residual_reference(
         Q, codes_flat[index], residuals_flat[index], lengths, centroids, bucket_weights, nbits,
         normalize=normalize,
     )  # fmt: skip
+    return torch.where(bad, float("nan"), out)
 
 
 def plaid_approx_score_reference(

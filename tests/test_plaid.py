@@ -341,13 +341,22 @@ def test_varlen_offsets_checked_on_device_or_host():
     codes, residuals, lengths, centroids, weights, g = _index(nbits=2, B=3, Ld=5)
     flat_codes, flat_residuals, cu = _flatten(codes, residuals, lengths)
     total = int(cu[-1])
-    bad_cu = torch.tensor([0, 2, 1, total + 3], dtype=torch.int32)  # a negative length, overrun
     Q = torch.randn(1, 4, 24, generator=g)
-    args = _to(DEVICE, Q, flat_codes, flat_residuals, bad_cu, centroids, weights)
-    with pytest.raises(ValueError, match="cu_seqlens_d"):
-        plaid.maxsim_residual_varlen(*args, 2)
-    out = plaid.maxsim_residual_varlen(*args, 2, max_seqlen_d=8)
-    assert torch.isnan(out[0, 1:]).all() and torch.isfinite(out[0, 0])
+    # Doc 1 runs backwards, doc 2 past the packed tokens (doc 3 ends at them): only those
+    # two score NaN. Offsets ending short or past the tokens, or not starting at 0, would
+    # leave tokens out: every score is NaN.
+    cases = {(0, 2, 1, total + 3, total): [False, True, True, True],
+             (0, 2, total + 3): [True, True], (0, 2, total - 1): [True, True],
+             (1, 2, total): [True, True]}  # fmt: skip
+    for offsets, nan in cases.items():
+        bad_cu = torch.tensor(offsets, dtype=torch.int32)
+        args = _to(DEVICE, Q, flat_codes, flat_residuals, bad_cu, centroids, weights)
+        with pytest.raises(ValueError, match="cu_seqlens_d"):
+            plaid.maxsim_residual_varlen(*args, 2)
+        entry = plaid.maxsim_residual_varlen(*args, 2, max_seqlen_d=8)
+        reference = maxsim_residual_varlen_reference(*args, 2)
+        for out in (entry, reference):
+            assert out[0].isnan().tolist() == nan, offsets
 
 
 @needs_kernels

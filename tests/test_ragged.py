@@ -448,7 +448,7 @@ def test_out_of_range_pairs_score_nan_on_every_path(lik_path, pairs, expected_na
     # path does the same (it raised IndexError, or read index -1 as the last sequence).
     Q, D = torch.randn(7, 16), torch.randn(9, 16)
     cu_q, cu_d = _offsets([3, 4]), _offsets([4, 5])
-    pair_q, pair_d = (torch.tensor(p) for p in pairs)
+    pair_q, pair_d = (torch.tensor(p, device=DEVICE) for p in pairs)
     score = score_pairs_packed(Q.to(DEVICE), D.to(DEVICE), cu_q, cu_d, pair_q, pair_d)
     assert bool(score.isnan().item()) is expected_nan
 
