@@ -159,6 +159,18 @@ def _kd(Q, D, q_mask, d_mask, normalize):
     return torch.cat(parts, dim=0) if parts else _empty_scores((0, K), Q, D)
 
 
+def _bad_sequences(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """Per sequence of the offsets cu [N + 1] over `total` packed tokens, whether the
+    kernels poison its scores: offsets that run backwards, before 0 or past the tokens;
+    and every sequence when the offsets do not start at 0 and end at `total` (they would
+    leave tokens out)."""
+    cu = cu.long()
+    bad = (cu[1:] < cu[:-1]) | (cu[:-1] < 0) | (cu[1:] > total)
+    if cu[0] != 0 or cu[-1] != total:
+        return torch.ones_like(bad)
+    return bad
+
+
 def score_pairs_packed_reference(
     Q: torch.Tensor,
     D: torch.Tensor,
@@ -186,20 +198,15 @@ def score_pairs_packed_reference(
         pairs = [(i, j) for i in range(nq) for j in range(nd)]
     else:
         pairs = list(zip(pair_q_idx.tolist(), pair_d_idx.tolist(), strict=True))
-
-    def unscorable(cu, index, count, total, bound=None):
-        if not 0 <= index < count:
-            return True
-        start, stop = cu[index], cu[index + 1]
-        return stop < start or start < 0 or stop > total or (bound is not None and
-                                                             stop - start > bound)  # fmt: skip
+    bad_q = _bad_sequences(cu_seqlens_q, Q.shape[0])
+    if max_seqlen_q is not None:
+        bad_q |= cu_seqlens_q[1:] - cu_seqlens_q[:-1] > max_seqlen_q
+    bad_q, bad_d = bad_q.tolist(), _bad_sequences(cu_seqlens_d, D.shape[0]).tolist()
 
     nan = Q.new_full((), float("nan"))
-    uncovered = cu_q[0] != 0 or cu_q[-1] != Q.shape[0] or cu_d[0] != 0 or cu_d[-1] != D.shape[0]
     scores = []
     for i, j in pairs:
-        if (uncovered or unscorable(cu_q, i, nq, Q.shape[0], max_seqlen_q)
-                or unscorable(cu_d, j, nd, D.shape[0])):
+        if not (0 <= i < nq and 0 <= j < nd) or bad_q[i] or bad_d[j]:
             scores.append(nan)
             continue
         q, d = Q[cu_q[i] : cu_q[i + 1]], D[cu_d[j] : cu_d[j + 1]]
@@ -413,11 +420,8 @@ def maxsim_residual_varlen_reference(
     and offsets that do not start at 0 and end at T poison every score."""
     cu = cu_seqlens_d.long()
     total = codes_flat.shape[0]
-    lengths = cu[1:] - cu[:-1]
-    bad = (lengths < 0) | (cu[:-1] < 0) | (cu[1:] > total)
-    if cu[0] != 0 or cu[-1] != total:
-        bad = torch.ones_like(bad)
-    lengths = torch.where(bad, 0, lengths)
+    bad = _bad_sequences(cu, total)
+    lengths = torch.where(bad, 0, cu[1:] - cu[:-1])
     longest = int(lengths.max()) if lengths.numel() else 0
     # Repack as a padded batch; padding reads some token in range, masked by the lengths.
     index = (cu[:-1, None].clamp(0, total) + torch.arange(longest, device=cu.device))
