@@ -7,7 +7,9 @@ Inputs are torch.save'd tensors ([Nq, Lq, d] queries, [Nd, Ld, d] corpus) or dic
 key "embeddings" and an optional bool "mask" (True = valid token). The corpus is memory
 mapped and moved to the device one chunk at a time, so it need not fit there whole.
 Under torchrun (WORLD_SIZE > 1) every rank scores a contiguous share of the corpus and
-rank 0 prints and writes the merged results. Bad input exits with status 2.
+rank 0 prints and writes the merged results. Bad input exits with status 2 and one line
+that names the argument; the device, the output path and the GPU family are checked
+before any file is read or anything is scored.
 """
 
 from __future__ import annotations
@@ -100,6 +102,13 @@ def _check_mask(path: Path, mask: object, tensor: torch.Tensor) -> torch.Tensor 
 
 def load_embeddings(path: Path, role: str) -> Embeddings:
     """Queries (role 'queries': [Nq, Lq, d] or one query [Lq, d]) or corpus ([Nd, Ld, d])."""
+    try:
+        return _load_embeddings(path, role)
+    except InputError as error:
+        raise InputError(f"argument --{role}: {error}") from None
+
+
+def _load_embeddings(path: Path, role: str) -> Embeddings:
     tensor, mask = _unpack(path, _torch_load(path))
     if role == "queries":
         _check_embeddings(path, tensor, "[Nq, Lq, d] or [Lq, d]", (2, 3))
@@ -116,7 +125,8 @@ def _check_head_dims(queries_path, queries: Embeddings, corpus_path, corpus: Emb
     q_dim, d_dim = queries.tensor.shape[-1], corpus.tensor.shape[-1]
     if q_dim != d_dim:
         raise InputError(
-            f"d mismatch: {queries_path} has d={q_dim}, {corpus_path} has d={d_dim}; "
+            f"arguments --queries and --corpus: d mismatch: {queries_path} has d={q_dim}, "
+            f"{corpus_path} has d={d_dim}; "
             "queries and corpus must come from the same model"
         )
 
@@ -204,9 +214,61 @@ def _local_top_k(queries, corpus, shard, top_k, chunk, normalize, device):
     return best
 
 
-def _distributed_setup(device_arg: str | None) -> tuple[int, int, torch.device]:
+# Devices the command can score on; anything else (meta, xpu on a build without it, ...)
+# is refused up front rather than failing inside the first chunk.
+_DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+
+def check_device(text: str | None) -> torch.device:
+    """The --device argument as a device this process can use (default: cuda if available,
+    else cpu); InputError naming the argument otherwise."""
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise InputError(
+            f"argument --device: {text!r} is not a device (expected one of "
+            f"{', '.join(_DEVICE_TYPES)}, or cuda:N)"
+        ) from None
+    if device.type not in _DEVICE_TYPES:
+        raise InputError(
+            f"argument --device: cannot score on {device.type!r} (expected one of "
+            f"{', '.join(_DEVICE_TYPES)}, or cuda:N)"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(f"argument --device: {text!r}, but CUDA is not available here")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise InputError(f"argument --device: {text!r}, but this machine has {count} GPU(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError(f"argument --device: {text!r}, but MPS is not available here")
+    return device
+
+
+def check_out(path: Path | None) -> None:
+    """--out must name a file that can be written: not a directory, and under a directory
+    (existing, or creatable from its nearest existing parent) this process may write."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise InputError(f"argument --out: {path} is a directory; name a file in it")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise InputError(f"argument --out: {path} cannot be written (permission denied)")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"argument --out: {path} cannot be created: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(
+            f"argument --out: {path} cannot be created in {parent} (permission denied)"
+        )
+
+
+def _distributed_setup(device: torch.device) -> tuple[int, int, torch.device]:
     """(rank, world_size, device); joins torchrun's process group when WORLD_SIZE > 1."""
-    device = torch.device(device_arg or ("cuda" if torch.cuda.is_available() else "cpu"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return 0, 1, device
@@ -221,6 +283,8 @@ def _distributed_setup(device_arg: str | None) -> tuple[int, int, torch.device]:
 
 
 def run_retrieve(args: argparse.Namespace) -> int:
+    device = check_device(args.device)
+    check_out(args.out)
     queries = load_embeddings(args.queries, "queries")
     corpus = load_embeddings(args.corpus, "corpus")
     _check_head_dims(args.queries, queries, args.corpus, corpus)
@@ -228,7 +292,7 @@ def run_retrieve(args: argparse.Namespace) -> int:
         # The corpus is the big one: match it rather than converting it chunk by chunk.
         queries = Embeddings(queries.tensor.to(corpus.tensor.dtype), queries.mask)
 
-    rank, world_size, device = _distributed_setup(args.device)
+    rank, world_size, device = _distributed_setup(device)
     shard = _shard_of(corpus.tensor.shape[0], rank, world_size)
     try:
         scores, indices = _local_top_k(
@@ -399,10 +463,29 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in parts)
 
 
+def known_families() -> list[str]:
+    """GPU families lik can plan for: those whose shared memory it knows or that have a
+    committed tuning table."""
+    from lik.runtime import tuning
+
+    tables = {r.name.removesuffix(".toml") for r in tuning.TABLES.iterdir()}
+    tables = {name for name in tables if (tuning.TABLES / f"{name}.toml").is_file()}
+    return sorted(set(tuning.SMEM_LIMIT) | tables)
+
+
+def check_family(family: str | None) -> None:
+    if family is not None and family not in known_families():
+        raise InputError(
+            f"argument --family: unknown GPU family {family!r} "
+            f"(expected one of {', '.join(known_families())})"
+        )
+
+
 def run_explain(args) -> int:
     from lik.runtime.dispatch import TRITON_AVAILABLE
     from lik.runtime.explain import explain_forward, render
 
+    check_family(args.family)
     if not TRITON_AVAILABLE:  # the plan reads the generated Triton modules
         raise InputError("explains Triton launches; install Triton first (pip install triton)")
     q_mask, d_mask = EXPLAIN_MASKS[args.masks]

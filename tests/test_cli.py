@@ -150,3 +150,82 @@ def test_entry_points(command):
     done = subprocess.run([*command, "retrieve", "--help"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--top-k" in done.stdout and "--no-normalize" in done.stdout
+
+
+def _no_scoring(monkeypatch):
+    """Make any scoring fail loudly: the checks below must refuse before it starts."""
+    import lik.runtime.retrieval as retrieval
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("scored before the arguments were checked")
+
+    monkeypatch.setattr(retrieval, "retrieve", refuse)
+
+
+@pytest.mark.parametrize(
+    "device, fragment",
+    [
+        ("bogus", "argument --device: 'bogus' is not a device"),
+        ("meta", "argument --device: cannot score on 'meta'"),
+        *(
+            []
+            if torch.cuda.is_available()
+            else [("cuda", "argument --device: 'cuda', but CUDA is not available here")]
+        ),
+        *(
+            [("cuda:99", "argument --device: 'cuda:99', but this machine has")]
+            if torch.cuda.is_available()
+            else []
+        ),
+    ],
+)
+def test_a_bad_device_exits_2_before_any_file_is_read(files, capsys, monkeypatch, device, fragment):
+    _no_scoring(monkeypatch)
+    # The query file does not exist: a device check that came after loading would name it.
+    argv = ["retrieve", "--queries", "missing.pt", "--corpus", "d.pt", "--top-k", "2"]
+    assert main([*argv, "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lik retrieve: error: {fragment}"), err
+    assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "out, fragment",
+    [
+        (".", "argument --out: . is a directory"),
+        ("q.pt/results.pt", "argument --out: q.pt/results.pt cannot be created"),
+        ("q.pt/deeper/results.pt", "argument --out: q.pt/deeper/results.pt cannot be created"),
+    ],
+    ids=["a-directory", "under-a-file", "deeper-under-a-file"],
+)
+def test_a_bad_out_path_exits_2_before_any_scoring(files, capsys, monkeypatch, out, fragment):
+    _no_scoring(monkeypatch)
+    assert main(_retrieve_args("--out", out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lik retrieve: error: {fragment}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_an_out_path_in_a_new_directory_is_fine(files):
+    assert main(_retrieve_args("--out", "new/deeper/results.pt", "--show", "0")) == 0
+    assert Path("new/deeper/results.pt").is_file()
+
+
+def test_file_errors_name_their_argument(files, capsys):
+    argv = ["retrieve", "--queries", "q.pt", "--corpus", "missing.pt", "--top-k", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "lik retrieve: error: argument --corpus: missing.pt: no such file\n"
+
+
+def test_an_unknown_family_exits_2_listing_the_known_ones(capsys, monkeypatch):
+    import lik.runtime.explain as explain
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("planned before --family was checked")
+
+    monkeypatch.setattr(explain, "explain_forward", refuse)
+    assert main(["explain", "--shape", "1,10,32,64,128", "--family", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lik explain: error: argument --family: unknown GPU family 'bogus'")
+    assert "hopper" in err and err.count("\n") == 1, err
