@@ -255,6 +255,11 @@ def test_wheel_installs_and_imports(tmp_path):
     tops = {n.split("/")[0] for n in names if ".dist-info/" not in n}
     # The mapping must not leak the checkout's folder names (runtime/, generated/) as packages.
     assert tops == {"lik", "lik_gen"}, tops
+    # lik-gen's specs and templates ride along as package data (list and explain read them).
+    for folder, suffix in (("specs", ".toml"), ("templates", ".j2")):
+        source = {p.relative_to(REPO).as_posix() for p in (REPO / folder).rglob(f"*{suffix}")}
+        shipped = {n.removeprefix("lik_gen/") for n in names if n.startswith(f"lik_gen/{folder}/")}
+        assert source and source <= shipped, sorted(source - shipped)[:5]
     kernels = _manifest_kernel_files(manifest)
     missing = sorted(k for k in kernels if f"lik/generated/{k}" not in names)
     assert not missing, f"listed in MANIFEST.json but not in the wheel: {missing[:10]}"
@@ -298,3 +303,21 @@ def test_wheel_installs_and_imports(tmp_path):
     proc = _run(args, cwd=elsewhere, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.split() == ["ok", str(len(modules))]
+
+    # Outside any checkout, lik-gen lists from the installed specs; generate refuses.
+    gen = textwrap.dedent(
+        """
+        import sys
+        sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p] + [sys.argv[2]]
+        from lik_gen.cli import main
+        sys.exit(main(sys.argv[3:]))
+        """
+    )
+    listed = _run([sys.executable, "-S", "-c", gen, str(target), purelib, "list", "--filter",
+                   "layout=kd"], cwd=elsewhere, timeout=120)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr[-4000:]
+    assert listed.stdout.split() and all("_kd_" in n for n in listed.stdout.split())
+    refused = _run([sys.executable, "-S", "-c", gen, str(target), purelib, "generate"],
+                   cwd=elsewhere, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "no lik checkout" in refused.stderr
+    assert list(elsewhere.iterdir()) == []
