@@ -9,7 +9,11 @@ VPY := $(VENV)/bin/python
 # build. Installing a CPU release first makes the project install keep it (where pip's
 # sources serve PyPI's CUDA build of this pin, add PyTorch's CPU --index-url to TORCH).
 TORCH ?= torch==2.13.0
+# Two stages, so each command installs what it needs: the demo (and generate, check,
+# lint) needs torch, Triton for the interpreter and the generator's tools; the tests add
+# pytest, hypothesis, build and the pinned integration libraries below.
 STAMP := $(VENV)/.lik-setup-done
+TEST_STAMP := $(VENV)/.lik-test-setup-done
 INTEGRATIONS_STAMP := $(VENV)/.lik-integrations-done
 # The libraries the integration tests compare against, and what their score and loss
 # modules import, pinned. --no-deps: their own requirements pin torch builds (fast-plaid,
@@ -23,38 +27,48 @@ INTEGRATIONS := pylate==1.6.0 colpali-engine==0.3.18 \
 	scipy==1.17.1 scikit-learn==1.9.1 joblib==1.6.0 threadpoolctl==3.8.0 \
 	narwhals==2.29.0 cloudpickle==3.1.3 pillow==13.0.0
 
-.PHONY: setup setup-integrations generate check lint test demo bench soak tune test-gpu clean
+.PHONY: setup setup-demo setup-test setup-integrations generate check lint test demo bench soak \
+	tune test-gpu clean
 
-setup: $(STAMP) $(INTEGRATIONS_STAMP)
+# Everything: what the demo needs, then what the tests add.
+setup: setup-demo setup-test
+
+setup-demo: $(STAMP)
 
 # Re-runs only when pyproject.toml changes (new dependencies); otherwise a no-op.
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install $(TORCH)
+	$(VPY) -m pip install -e '.[gen,triton]'
+	touch $@
+
+setup-test: $(TEST_STAMP) $(INTEGRATIONS_STAMP)
+
+$(TEST_STAMP): $(STAMP)
 	$(VPY) -m pip install -e '.[dev]'
 	touch $@
 
 setup-integrations: $(INTEGRATIONS_STAMP)
 
 # Re-runs after the project install or when the pins above change.
-$(INTEGRATIONS_STAMP): $(STAMP) Makefile
+$(INTEGRATIONS_STAMP): $(TEST_STAMP) Makefile
 	$(VPY) -m pip install --no-deps $(INTEGRATIONS)
 	touch $@
 
-generate: setup
+generate: setup-demo
 	$(VPY) -m lik_gen generate
 
-check: setup
+check: setup-demo
 	$(VPY) -m lik_gen check
 
-lint: setup
+lint: setup-demo
 	$(VPY) -m ruff check .
 
 # The suite sets TRITON_INTERPRET itself where it runs kernels on the CPU.
-test: setup
+test: setup-test
 	$(VPY) -m pytest -q
 
-demo: setup
+demo: setup-demo
 	$(VPY) -m lik.demo
 
 # Every benchmark, one after the other, into the committed results folder.
