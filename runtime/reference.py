@@ -5,6 +5,26 @@ README's "API in brief"): masks are bool with True = valid; a masked doc token n
 the max; a query token with no valid doc token (fully masked doc, Ld == 0) contributes 0;
 masked query tokens contribute 0. Computation happens in the inputs' dtype promoted to at least
 fp32 (pass float64 tensors for a float64 reference); scores come back in that dtype.
+
+Masked positions and non-finite values (the rule every path follows):
+
+- Padding may hold anything. A masked token (of Q, D, the hidden states of the fused
+  head, the doc tokens past a PLAID length) and a masked query token's weight are set to
+  0 before any arithmetic (a `where`, not a product), so NaN, inf or garbage there
+  reaches no score and no gradient, and the gradient at a masked position is exactly 0.
+- Valid values are scored in IEEE arithmetic: sim = <q, d>; the max over the valid doc
+  tokens keeps NaN (a NaN similarity makes that query token's max NaN); -inf is a real
+  similarity: it loses to any larger one, and a query token whose valid similarities
+  are all -inf contributes -inf. That is not "no valid doc token" (a mask, or Ld == 0),
+  which contributes 0; what decides it is the mask, never the value. Contributions add
+  as IEEE numbers (+inf plus -inf is NaN).
+- So a NaN or an infinity in a valid query token makes every score it takes part in
+  non-finite (each of its similarities is an infinity or NaN); with normalize=True a
+  token holding an infinity normalizes to NaN. One in a valid doc token makes the score
+  non-finite unless its similarity is -inf and another valid doc token wins the max. A
+  NaN or infinite weight on a valid query token is a value like any other (inf * 0 is
+  NaN). The smooth and top-k-mean scores follow the same rule: logsumexp and the mean of
+  the k best over the valid tokens, -inf ones included.
 """
 
 from __future__ import annotations
@@ -22,17 +42,25 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _valid_only(X: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """X [..., L, d] with the tokens its mask [..., L] marks invalid set to 0: whatever
+    padding holds reaches no score, and the gradient there is exactly 0 (a where passes
+    none to the side it did not select)."""
+    if mask is None:
+        return X
+    return torch.where(mask[..., None], X, torch.zeros((), dtype=X.dtype, device=X.device))
+
+
 def _token_max(sim: torch.Tensor, d_mask: torch.Tensor | None) -> torch.Tensor:
-    """max over the last axis (doc tokens) of sim, 0 where no doc token is valid."""
+    """max over the last axis (doc tokens) of sim, 0 where no doc token is valid; a valid
+    row of -inf similarities is a real -inf (the mask decides, not the value)."""
     if sim.shape[-1] == 0:  # a sum over no tokens: zeros that keep sim's graph
         return sim.sum(dim=-1)
-    if d_mask is not None:
-        sim = sim.masked_fill(~d_mask, float("-inf"))
-    best = sim.amax(dim=-1)
     if d_mask is None:
-        return best
-    # Fully masked doc: -inf -> 0, with zero gradient (where, not arithmetic).
-    return torch.where(torch.isneginf(best), torch.zeros_like(best), best)
+        return sim.amax(dim=-1)
+    best = sim.masked_fill(~d_mask, float("-inf")).amax(dim=-1)
+    # Fully masked doc: 0, with zero gradient (where, not arithmetic).
+    return torch.where(d_mask.any(dim=-1), best, torch.zeros_like(best))
 
 
 def _empty_scores(shape, *inputs: torch.Tensor) -> torch.Tensor:
@@ -51,9 +79,11 @@ def _sum_query_tokens(best: torch.Tensor, q_mask: torch.Tensor | None) -> torch.
     return best.sum(dim=-1)
 
 
-def _prepare(Q, D, normalize):
+def _prepare(Q, D, normalize, q_mask=None, d_mask=None):
+    """Q and D in the compute dtype, masked tokens set to 0 (before normalizing: a NaN
+    token would normalize to NaN), then normalized when asked."""
     dtype = _compute_dtype(Q, D)
-    Q, D = Q.to(dtype), D.to(dtype)
+    Q, D = _valid_only(Q.to(dtype), q_mask), _valid_only(D.to(dtype), d_mask)
     if normalize:
         Q, D = F.normalize(Q, dim=-1), F.normalize(D, dim=-1)
     return Q, D
@@ -96,7 +126,7 @@ def maxsim_pairs_reference(
     normalize: bool = False,
 ) -> torch.Tensor:
     """Diagonal MaxSim: Q [B, Lq, d] with D [B, Ld, d] -> [B] (query b against doc b)."""
-    Q, D = _prepare(Q, D, normalize)
+    Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
     B, Lq, Ld = Q.shape[0], Q.shape[1], D.shape[1]
     rows = max(1, CHUNK_ELEMENTS // max(1, Lq * Ld))
     parts = []
@@ -125,14 +155,15 @@ def maxsim_from_hidden_reference(
     d_mask [Nd, Ld]. Materializes the projected documents (the fused kernel does not).
     """
     dtype = torch.promote_types(_compute_dtype(Q, H_d), W.dtype)
-    D = F.linear(H_d.to(dtype), W.to(dtype), None if b is None else b.to(dtype))
+    H_d = _valid_only(H_d.to(dtype), d_mask)  # padding's hidden states reach no gradient of W
+    D = F.linear(H_d, W.to(dtype), None if b is None else b.to(dtype))
     if normalize:
         D = F.normalize(D, dim=-1)
     return maxsim_reference(Q.to(dtype), D, None, d_mask)
 
 
 def _dense(Q, D, q_mask, d_mask, normalize):
-    Q, D = _prepare(Q, D, normalize)
+    Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
     Nq, Lq, Nd, Ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
     docs = max(1, CHUNK_ELEMENTS // max(1, Nq * Lq * Ld))
     parts = []
@@ -146,7 +177,7 @@ def _dense(Q, D, q_mask, d_mask, normalize):
 
 
 def _kd(Q, D, q_mask, d_mask, normalize):
-    Q, D = _prepare(Q, D, normalize)
+    Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
     Nq, Lq, K, Ld = Q.shape[0], Q.shape[1], D.shape[1], D.shape[2]
     rows = max(1, CHUNK_ELEMENTS // max(1, K * Lq * Ld))
     parts = []
@@ -255,24 +286,36 @@ def _token_score(sim, d_mask, score: str, tau: float, k: int) -> torch.Tensor:
     valid, with zero gradient."""
     if sim.shape[-1] == 0:  # a sum over no tokens: zeros that keep sim's graph
         return sim.sum(dim=-1)
-    if d_mask is not None:
+    if score not in ("max", "weighted", "smooth", "topk_mean"):
+        raise ValueError(f"score must be 'weighted', 'smooth' or 'topk_mean', got {score!r}")
+    # Valid doc tokens per row: the mask decides, so a valid row of -inf similarities is
+    # a real -inf (the module docstring's rule), unlike a row with no valid token.
+    if d_mask is None:
+        valid = torch.full(sim.shape[:-1], sim.shape[-1], device=sim.device)
+    else:
         sim = sim.masked_fill(~d_mask, float("-inf"))
-    empty = torch.isneginf(sim).all(dim=-1)
+        valid = d_mask.sum(dim=-1).expand(sim.shape[:-1])
+    empty = valid == 0
     # Rows with no valid token score 0 below; computing on zeros keeps their gradient
     # finite (logsumexp of all -inf would backpropagate NaN through the where).
     sim = torch.where(empty[..., None], torch.zeros_like(sim), sim)
     if score in ("max", "weighted"):
         token = sim.amax(dim=-1)
     elif score == "smooth":
-        token = tau * torch.logsumexp(sim / tau, dim=-1)
-    elif score == "topk_mean":
+        # Shifted by the row max, as the kernels compute it: sim / tau alone overflows
+        # for a tau near fp32's smallest normal. The shift is a constant of the gradient
+        # (softmax either way); a row whose max is not finite keeps IEEE's answer.
+        best = sim.detach().amax(dim=-1, keepdim=True)
+        shift = torch.where(best.isfinite(), best, torch.zeros_like(best))
+        token = shift[..., 0] + tau * torch.logsumexp((sim - shift) / tau, dim=-1)
+    else:  # topk_mean: the mean of the min(k, valid) best, valid -inf ones included
         # A stable sort keeps equal similarities in token order (topk picks any of them).
-        top = sim.sort(dim=-1, descending=True, stable=True).values[..., : min(k, sim.shape[-1])]
-        kept = ~torch.isneginf(top)
+        kk = min(k, sim.shape[-1])
+        top = sim.sort(dim=-1, descending=True, stable=True).values[..., :kk]
+        count = valid.clamp(max=kk)
+        kept = torch.arange(kk, device=sim.device) < count[..., None]
         total = torch.where(kept, top, torch.zeros_like(top)).sum(dim=-1)
-        token = total / kept.sum(dim=-1).clamp(min=1)
-    else:
-        raise ValueError(f"score must be 'weighted', 'smooth' or 'topk_mean', got {score!r}")
+        token = total / count.clamp(min=1)
     return torch.where(empty, torch.zeros_like(token), token)
 
 
@@ -295,9 +338,9 @@ def maxsim_scored_reference(
     Q [Nq, Lq, d], D [Nd, Ld, d] -> [Nq, Nd]; pairs=True: Q [B, Lq, d], D [B, Ld, d] -> [B].
     weights [Nq, Lq] (or [B, Lq]) for score="weighted". Masks as in maxsim_reference.
     """
-    Q, D = _prepare(Q, D, normalize)
-    if weights is not None:
-        weights = weights.to(Q.dtype)
+    Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
+    if weights is not None:  # a masked query token's weight is padding too
+        weights = _valid_only(weights.to(Q.dtype)[..., None], q_mask)[..., 0]
     Nq, Lq, Nd, Ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
     if pairs:
         sim = torch.einsum("bsk,btk->bst", Q, D)
@@ -393,10 +436,11 @@ def maxsim_residual_reference(
             codes[start:stop], residuals[start:stop], centroids.to(dtype),
             bucket_weights.to(dtype), nbits,
         )  # fmt: skip
+        valid = torch.arange(Ld, device=codes.device) < lengths[start:stop, None]
+        D = _valid_only(D, valid)  # tokens past a length (any code) reach no gradient
         if normalize:
             D = F.normalize(D, dim=-1)
         sim = torch.einsum("isk,jtk->ijst", Q, D)
-        valid = torch.arange(Ld, device=codes.device) < lengths[start:stop, None]
         parts.append(_token_max(sim, valid[None, :, None, :]).sum(dim=-1))
     out = torch.cat(parts, dim=1) if parts else _empty_scores((Nq, 0), Q, centroids, bucket_weights)
     out = torch.where(bad_length[None, :], float("nan"), out)
@@ -424,7 +468,7 @@ def maxsim_residual_varlen_reference(
     lengths = torch.where(bad, 0, cu[1:] - cu[:-1])
     longest = int(lengths.max()) if lengths.numel() else 0
     # Repack as a padded batch; padding reads some token in range, masked by the lengths.
-    index = (cu[:-1, None].clamp(0, total) + torch.arange(longest, device=cu.device))
+    index = cu[:-1, None].clamp(0, total) + torch.arange(longest, device=cu.device)
     index = index.clamp(0, max(total - 1, 0))
     out = maxsim_residual_reference(
         Q, codes_flat[index], residuals_flat[index], lengths, centroids, bucket_weights, nbits,
