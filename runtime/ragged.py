@@ -149,7 +149,7 @@ def _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d):
     Q = _packed("Q_packed", Q_packed)
     D = _packed("D_packed", D_packed)
     validate.same_dtype_and_device(Q, D)
-    validate.head_dims(Q, D)
+    validate.head_dims(Q, D, "Q_packed", "D_packed")
     cu_q = _offsets("cu_seqlens_q", cu_seqlens_q, Q.shape[0], Q.device)
     cu_d = _offsets("cu_seqlens_d", cu_seqlens_d, D.shape[0], D.device)
     return Q, D, cu_q, cu_d
@@ -320,6 +320,11 @@ def _pack(queries, documents, q_len, d_len) -> PackedBatch:
     )
 
 
+def _validate_flag(value: object) -> bool:
+    """pack_padded's `validate`, checked as a bool (its name hides the validate module)."""
+    return validate.flag("validate", value)
+
+
 def pack_padded(
     queries: torch.Tensor,
     documents: torch.Tensor,
@@ -335,7 +340,7 @@ def pack_padded(
     it they are clamped into it. Tokens past a length are dropped.
     """
     checked = _padded_inputs(queries, documents, query_lengths, doc_lengths)
-    if validate:
+    if _validate_flag(validate):
         Lq, Ld = checked[0].shape[1], checked[1].shape[2]
         q_raw, d_raw = (t.to(checked[0].device) for t in (query_lengths, doc_lengths))
         outside = torch.stack([((q_raw < 0) | (q_raw > Lq)).any(),

@@ -19,9 +19,7 @@ def tensor(name: str, value: object, ranks: tuple[int, ...], layout_doc: str) ->
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {layout_doc}, got {type(value).__name__}")
     if value.dim() not in ranks:
-        raise ValueError(
-            f"{name} must be {layout_doc}, got {value.dim()} dims ({describe(value)})"
-        )
+        raise ValueError(f"{name} must be {layout_doc}, got {value.dim()} dims ({describe(value)})")
     if value.dtype not in SUPPORTED_DTYPES:
         allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
@@ -38,15 +36,17 @@ def same_dtype_and_device(Q: torch.Tensor, D: torch.Tensor) -> None:
         )
 
 
-def head_dims(Q: torch.Tensor, D: torch.Tensor) -> None:
+def head_dims(Q: torch.Tensor, D: torch.Tensor, q_name: str = "Q", d_name: str = "D") -> None:
+    """Q and D share a head dim (either one wider is refused), of 1 to MAX_HEAD_DIM; errors
+    name the arguments as the caller calls them."""
     if Q.shape[-1] != D.shape[-1]:
         raise ValueError(
-            f"Q and D must share the head dim (last axis): Q has {Q.shape[-1]} "
-            f"({describe(Q)}), D has {D.shape[-1]} ({describe(D)})"
+            f"{q_name} and {d_name} must share the head dim (last axis): {q_name} has "
+            f"{Q.shape[-1]} ({describe(Q)}), {d_name} has {D.shape[-1]} ({describe(D)})"
         )
     if Q.shape[-1] == 0:
-        raise ValueError(f"Q and D must have a head dim (last axis) of at least 1, got 0 "
-                         f"({describe(Q)})")  # fmt: skip
+        raise ValueError(f"{q_name} and {d_name} must have a head dim (last axis) of at least "
+                         f"1, got 0 ({describe(Q)})")  # fmt: skip
     if Q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head dim {Q.shape[-1]} exceeds the largest supported, {MAX_HEAD_DIM}")
 

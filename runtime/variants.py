@@ -18,7 +18,6 @@ reference or the eager reference (lik.runtime.metal).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -250,9 +249,15 @@ def maxsim_smooth(
 ) -> torch.Tensor:
     """sum_s tau * logsumexp_t(<Q[s], D[t]> / tau): a smooth max over doc tokens that
     tends to MaxSim as tau -> 0 and spreads the gradient over near-winners (colpali-engine's
-    use_smooth_max). 0 < tau < inf. Layouts as in the module docstring."""
-    if not isinstance(tau, int | float) or isinstance(tau, bool) or not 0 < tau < math.inf:
-        raise ValueError(f"tau must be a finite positive number, got {tau!r}")
+    use_smooth_max). tau is a positive normal fp32 number (about 1.2e-38 to 3.4e38).
+    Layouts as in the module docstring."""
+    fp32 = torch.finfo(torch.float32)  # the kernels' dtype: no tau it rounds to 0 or inf
+    number = isinstance(tau, int | float) and not isinstance(tau, bool)
+    if not number or not fp32.tiny <= tau <= fp32.max:
+        raise ValueError(
+            f"tau must be a finite positive number that fp32 holds as a normal number "
+            f"({fp32.tiny:.4g} <= tau <= {fp32.max:.4g}), got {tau!r}"
+        )
     call = _call("smooth", pairs, normalize, tau=float(tau))
     return _score(call, Q, D, None, q_mask, d_mask)
 
