@@ -20,11 +20,19 @@ interpreter keep Triton's own path. Not repeated per launch: Triton's check that
 kernel's global constants have not changed (generated kernels read none that change),
 and its reading of the debug and instrumentation settings (a change to them within a
 process reaches kernels not launched before it).
+
+Under the interpreter (TRITON_INTERPRET=1) every launch of a generated kernel holds one
+process-wide lock, INTERPRETER_LOCK: the interpreter is not thread-safe (a launch patches
+triton.language and keeps the program id in module state for its duration, so two
+threads interpreting at once, even two different kernels, raise InterpreterError or
+read each other's program ids). Interpreted calls from several threads therefore run one
+kernel at a time and give the results they give alone. Compiled launches take no lock.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 
 import torch
 
@@ -36,6 +44,10 @@ try:
     from triton.runtime.jit import JITFunction
 except ImportError:  # no Triton, or one without knobs (before 3.4): nothing to wrap
     JITFunction = None
+try:
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:
+    InterpretedFunction = None
 try:  # host-side TMA descriptors (the fused head reads its hidden states through one)
     from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 except ImportError:
@@ -170,9 +182,35 @@ class CachedLaunch:
         return (compiled, meta_params) if keyable else None
 
 
+# Held by every interpreted launch of a generated kernel (see the module docstring).
+# Reentrant, so a launch that launches (none does today) cannot deadlock itself.
+INTERPRETER_LOCK = threading.RLock()
+
+
+class SerializedInterpretedLaunch:
+    """An interpreted kernel (TRITON_INTERPRET=1) whose launches, `[grid](*args, **meta)`
+    or `run(...)`, hold INTERPRETER_LOCK. Other attributes are the kernel's."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.run(*args, grid=grid, warmup=False, **meta)
+
+    def run(self, *args, **kwargs):
+        with INTERPRETER_LOCK:
+            return self.kernel.run(*args, **kwargs)
+
+
 def cached_launch(kernel):
-    """Wraps a compiled-mode Triton JIT function; anything else (the interpreter's
-    functions, no Triton, a Triton outside SUPPORTED_TRITON) is returned as it is."""
+    """Wraps a compiled-mode Triton JIT function; an interpreted one gets the interpreter
+    lock instead; anything else (no Triton, a Triton outside SUPPORTED_TRITON) is returned
+    as it is."""
+    if InterpretedFunction is not None and isinstance(kernel, InterpretedFunction):
+        return SerializedInterpretedLaunch(kernel)
     if JITFunction is None or not isinstance(kernel, JITFunction):
         return kernel
     if not _supported(triton.__version__):

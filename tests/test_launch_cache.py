@@ -5,13 +5,16 @@ kernel served each launch. The GPU test compares the two paths on a generated ke
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 
 import pytest
 import torch
+from helpers import INTERPRETER_FP32_TOLERANCE, relative_error
 
-from lik.runtime import launch_cache
+from lik.runtime import dispatch, launch_cache, maxsim
 from lik.runtime.launch_cache import CachedLaunch, cached_launch
+from lik.runtime.reference import maxsim_reference
 
 
 class FakeCompiled:
@@ -293,3 +296,76 @@ def test_fused_head_scores_the_same_through_the_cache_and_through_triton(Ld):
         assert torch.equal(cached, direct)
     # Every launch keyed (before descriptors were keyed, each stayed on Triton's path).
     assert kernel._compiled and all(e is not None for e in kernel._compiled.values())
+
+
+# ---------------------------------------------------------------------------------------
+# The interpreter (TRITON_INTERPRET=1) is not thread-safe: every interpreted launch of a
+# generated kernel holds launch_cache.INTERPRETER_LOCK.
+
+INTERPRETING = dispatch.backend(torch.device("cpu")) == "interpreter"
+needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+def test_an_interpreted_kernel_launches_holding_the_interpreter_lock(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def kernel(X, n):
+        pass
+
+    interpreted = InterpretedFunction(kernel)
+    held = []
+
+    def run(*args, grid, warmup, **meta):
+        # Another thread cannot take the lock while a launch runs.
+        probe = threading.Thread(
+            target=lambda: held.append(not launch_cache.INTERPRETER_LOCK.acquire(blocking=False))
+        )
+        probe.start()
+        probe.join()
+        return "launched"
+
+    monkeypatch.setattr(interpreted, "run", run)
+    wrapped = cached_launch(interpreted)
+    assert isinstance(wrapped, launch_cache.SerializedInterpretedLaunch)
+    assert wrapped.arg_names == ["X", "n"]
+    assert wrapped[(1,)](_tensor(), 4) == "launched"
+    assert wrapped.run(_tensor(), 4, grid=(1,), warmup=False) == "launched"
+    assert held == [True, True]
+    assert launch_cache.INTERPRETER_LOCK.acquire(blocking=False)  # released after each
+    launch_cache.INTERPRETER_LOCK.release()
+
+
+@needs_interpreter
+def test_eight_threads_calling_maxsim_at_once_under_the_interpreter_get_correct_scores():
+    """Forward and backward launches from 8 threads at once, with no lock of the test's
+    own: each thread's scores and gradients are those of the float64 reference."""
+    threads = 8
+    barrier, results = threading.Barrier(threads), [None] * threads
+
+    def caller(i):
+        g = torch.Generator().manual_seed(i)
+        Lq, d = (1, 9, 17, 33)[i % 4], (7, 16)[i // 4]
+        Q = torch.randn(2, Lq, d, generator=g).requires_grad_()
+        D = torch.randn(3, 11, d, generator=g)
+        d_mask = (torch.rand(3, 11, generator=g) < 0.7) if i % 2 else None
+        barrier.wait()
+        try:
+            for _ in range(2):
+                out = maxsim(Q, D, None, d_mask)
+                (grad,) = torch.autograd.grad(out.sum(), Q)
+            Qr = Q.detach().double().requires_grad_()
+            ref = maxsim_reference(Qr, D.double(), None, d_mask)
+            (ref_grad,) = torch.autograd.grad(ref.sum(), Qr)
+            results[i] = (relative_error(out.detach(), ref), relative_error(grad, ref_grad))
+        except Exception as error:  # reported below, with the thread it failed in
+            results[i] = error
+
+    workers = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    failed = {i: r for i, r in enumerate(results) if not isinstance(r, tuple)}
+    assert not failed, failed
+    assert all(err < INTERPRETER_FP32_TOLERANCE for pair in results for err in pair), results
