@@ -164,10 +164,10 @@ def test_a_bad_shape_exits_2_naming_the_option(shape, capsys):
     assert "--shape: expected five positive integers NQ,ND,LQ,LD,D" in capsys.readouterr().err
 
 
-def test_the_readme_example_is_what_the_command_prints():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("    $ lik explain --shape 16,32,32,8192,128")
-    block = readme[start:].split("\n\n", 1)[0].splitlines()[1:]
+def test_the_documented_example_is_what_the_command_prints():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "launch-strategies.md").read_text()
+    start = doc.index("    $ lik explain --shape 16,32,32,8192,128")
+    block = doc[start:].split("\n\n", 1)[0].splitlines()[1:]
     printed = render(explain_forward((16, 32, 32, 8192, 128), family="hopper", card=""))
     assert [line.removeprefix("    ") for line in block] == printed.splitlines()
 
