@@ -71,14 +71,16 @@ test: setup-test
 demo: setup-demo
 	$(VPY) -m lik.demo
 
-# Every benchmark, one after the other, into the committed results folder.
+# Every benchmark, one after the other, into the committed results folder: each writes
+# benchmarks/results/<suite>/<card>.{json,md,png}, stamped with the card and the commit
+# git reads (+dirty for local changes). benchmarks/README.md says what each measures.
 BENCHES := forward train backward ragged retrieve variants fp8 plaid head cold_start autotune host
 
 bench:
 	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done
 
 # Random public calls against the float64 reference on this GPU, SOAK_WORKERS processes
-# for SOAK_SECONDS each (compiling dominates); writes benchmarks/results/soak_<card>.*.
+# for SOAK_SECONDS each (compiling dominates); writes benchmarks/results/soak/<card>.*.
 SOAK_SECONDS ?= 600
 SOAK_WORKERS ?= 8
 soak:

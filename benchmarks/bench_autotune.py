@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     environment_info,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
+    result_stem,
     write_results,
 )
 
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         return 2
     report = run(args.rounds, args.parts.split(","))
     text = markdown(report) + training_markdown(report)
-    write_results(args.out, f"autotune_stall_{gpu_tag(report['gpu'])}", report, text)
+    write_results(args.out, result_stem("autotune", report["gpu"]), report, text)
     print(text)
     return 0
 

@@ -37,11 +37,11 @@ from common import (  # noqa: E402
     DRY_RUN_TIMER,
     environment_info,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
     provenance,
     release_cached_memory,
+    result_stem,
     write_results,
 )
 
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     timing = TIMING["quick" if args.quick else "full"]
     report = run(args.rounds, timing, args.autotune, dry_run=args.dry_run)
     text = markdown(report)
-    stem = f"backward_strategies_{gpu_tag(report['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("backward", report["gpu"], args.dry_run)
     write_results(args.out, stem, report, text)
     print(text)
     return 0

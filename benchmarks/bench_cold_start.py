@@ -11,7 +11,7 @@ under 50 ms.
 
 A training child also runs a small sum and its backward during setup, standing in for
 its model's own first step: otherwise torch's loading of its own reduction and autograd
-kernels (23 ms on an H200 host, results/cold_start_phases_H200.md) would count as lik's.
+kernels (23 ms on an H200 host, measured in commit 305b670) would count as lik's.
 
 The children share one Python bytecode cache (PYTHONPYCACHEPREFIX, filled by the first
 child), as an installed environment has one: pip compiles bytecode when it installs, and
@@ -44,9 +44,9 @@ from common import (  # noqa: E402
     environment_info,
     format_ms,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
+    result_stem,
     write_results,
 )
 
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         return 2
     repeats = args.repeats if args.repeats is not None else DRY_RUN_REPEATS if args.dry_run else 3
     report = run(repeats, dry_run=args.dry_run)
-    stem = f"cold_start_{gpu_tag(report['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("cold_start", report["gpu"], args.dry_run)
     text = markdown(report)
     write_results(args.out, stem, report, text)
     print(text)

@@ -29,7 +29,6 @@ from common import (
     first_call_seconds,
     format_ms,
     format_ratio,
-    gpu_tag,
     make_input_sets,
     markdown_table,
     measure_ceilings,
@@ -39,6 +38,7 @@ from common import (
     provenance,
     relative_error,
     release_cached_memory,
+    result_stem,
     roofline_floor,
     rotating,
     rotation_count,
@@ -535,7 +535,7 @@ def main(argv=None) -> int:
         ceilings = measure_ceilings(device, **timing)
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
-    stem = f"forward_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("forward", env["gpu"], args.dry_run)
     report = {
         "suite": "forward",
         "env": env,

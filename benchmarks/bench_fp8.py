@@ -34,7 +34,6 @@ from common import (
     first_call_seconds,
     format_ms,
     format_ratio,
-    gpu_tag,
     markdown_table,
     measure_ceilings,
     normalized_tokens,
@@ -42,6 +41,7 @@ from common import (
     provenance,
     relative_error,
     release_cached_memory,
+    result_stem,
     rotating,
     rotation_count,
     speedup_series,
@@ -433,7 +433,7 @@ def main(argv=None) -> int:
         ceilings = measure_ceilings(device, **timing)
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
-    stem = f"fp8_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("fp8", env["gpu"], args.dry_run)
     keys = list(IMPLEMENTATIONS)
     report = {
         "suite": "fp8",

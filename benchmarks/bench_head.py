@@ -33,7 +33,6 @@ from common import (
     first_call_seconds,
     format_ms,
     format_ratio,
-    gpu_tag,
     graph_replay,
     markdown_table,
     measure_ceilings,
@@ -43,6 +42,7 @@ from common import (
     provenance,
     relative_error,
     release_cached_memory,
+    result_stem,
     speedup_series,
     write_results,
 )
@@ -485,7 +485,7 @@ def main(argv=None) -> int:
         out_dir = args.out or Path(__file__).resolve().parent / "results"
         ceilings = measure_ceilings(device, **TIMING["quick" if args.quick else "full"])
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
-    stem = f"head_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("head", env["gpu"], args.dry_run)
     report = {
         "suite": "head",
         "env": env,

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -31,11 +31,11 @@ from common import (  # noqa: E402
     back_to_back_ms,
     environment_info,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
     normalized_tokens,
     provenance,
+    result_stem,
     write_results,
 )
 
@@ -54,14 +54,14 @@ def launch_stubbed(name: str):
     """The registry serves a copy of the variant's module whose launch does nothing."""
     from lik.runtime import registry
 
-    module = registry.load(name)
-    stub = types.SimpleNamespace(**vars(module))
+    bound = registry.load(name)
+    stub = copy.copy(bound)
     stub.launch = lambda out, *args, **kwargs: out
-    registry._modules[name] = stub
+    registry._bound[name] = stub
     try:
         yield
     finally:
-        registry._modules[name] = module
+        registry._bound[name] = bound
 
 
 def calls(q, docs) -> dict:
@@ -120,7 +120,8 @@ def head_calls(q, docs) -> dict:
     }  # fmt: skip
     peer, error = attempt(lambda: __import__("late_interaction_kernels.fused_head").fused_head)
     table["LIK 0.4.5 fused_head.maxsim_from_hidden"] = (
-        (lambda: peer.maxsim_from_hidden(q, hidden, W, b)) if peer else f"error: {error}")
+        (lambda: peer.maxsim_from_hidden(q, hidden, W, b)) if peer else f"error: {error}"
+    )
     return table
 
 
@@ -155,7 +156,8 @@ def compressed_calls(q, docs) -> dict:
     peer, error = attempt(lambda: __import__("late_interaction_kernels.plaid").plaid)
     peer_fp8, error_fp8 = attempt(lambda: __import__("late_interaction_kernels.fp8").fp8)
     table["LIK 0.4.5 plaid.maxsim_residual"] = (
-        (lambda: peer.maxsim_residual(*dense)) if peer else f"error: {error}")
+        (lambda: peer.maxsim_residual(*dense)) if peer else f"error: {error}"
+    )
     table["LIK 0.4.5 plaid.maxsim_residual_varlen"] = (
         (lambda: peer.maxsim_residual_varlen(*flat, max_seqlen_d=ld)) if peer
         else f"error: {error}")  # fmt: skip
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
         return 2
     report = run(args.calls)
     text = markdown(report)
-    write_results(args.out, f"host_{gpu_tag(report['gpu'])}", report, text)
+    write_results(args.out, result_stem("host", report["gpu"]), report, text)
     print(text)
     return 0
 

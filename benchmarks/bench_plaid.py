@@ -40,10 +40,10 @@ from common import (  # noqa: E402
     format_ms,
     format_ratio,
     gpu_name,
-    gpu_tag,
     graph_ms,
     markdown_table,
     relative_error,
+    result_stem,
     rotating,
     write_results,
 )
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     if args.write_table and report.get("sweep"):
         entries = table_entries(report["sweep"], report["gpu"])
         write_sweep_table(args.write_table, entries, card=args.card)
-    stem = f"plaid_{gpu_tag(report['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("plaid", report["gpu"], args.dry_run)
     text = markdown(report)
     title = f"PLAID rerank on {report['gpu']}: LIK 0.4.5 ms / lik ms"
     write_results(args.out, stem, report, text, (list(report["cases"]), series, title))

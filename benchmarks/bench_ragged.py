@@ -25,10 +25,10 @@ from common import (  # noqa: E402
     format_ms,
     format_ratio,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
     relative_error,
+    result_stem,
     write_results,
 )
 
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     report["cases"][f"varlen {queries} x {docs} ({lengths})"] = run_varlen(
         queries, docs, device, timer, args.dry_run
     )
-    stem = f"ragged_{gpu_tag(report['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("ragged", report["gpu"], args.dry_run)
     text = markdown(report)
     write_results(args.out, stem, report, text)
     print(text)

@@ -31,13 +31,13 @@ from common import (
     environment_info,
     first_call_seconds,
     format_ms,
-    gpu_tag,
     markdown_table,
     normalized_tokens,
     peak_extra_memory_mib,
     pick,
     provenance,
     release_cached_memory,
+    result_stem,
     write_results,
 )
 
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
         timer, timing = "triton do_bench", TIMING["quick" if args.quick else "full"]
 
     env = environment_info(["lik", "late-interaction-kernels"])
-    stem = f"retrieve_{gpu_tag(env['gpu'])}" + ("_dry-run" if args.dry_run else "")
+    stem = result_stem("retrieve", env["gpu"], args.dry_run)
     report = {"suite": "retrieve", "env": env, "timing": {"timer": timer, **timing}}
     report.update({"top_k": TOP_K, "normalize": NORMALIZE, "cases": []})
     for case in cases:

@@ -29,7 +29,6 @@ from common import (  # noqa: E402
     format_ms,
     format_ratio,
     gpu_name,
-    gpu_tag,
     graph_replay,
     markdown_table,
     missing_gpu,
@@ -37,6 +36,7 @@ from common import (  # noqa: E402
     peak_extra_memory_mib,
     relative_error,
     release_cached_memory,
+    result_stem,
     write_results,
 )
 
@@ -286,7 +286,7 @@ def write_report(report: dict, out: Path, dry_run: bool = False) -> None:
     names = [r["name"] for r in report["shapes"]]
     series = {f"vs {p}": [speedup(r, p) for r in report["shapes"]] for p in [*PEERS, "eager"]}
     title = f"lik training speedup (auto backward), {report['gpu']}"
-    stem = f"train_{gpu_tag(report['gpu'])}" + ("_dry-run" if dry_run else "")
+    stem = result_stem("train", report["gpu"], dry_run)
     write_results(out, stem, report, text, (names, series, title))
     print(text)
 

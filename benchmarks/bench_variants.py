@@ -26,13 +26,13 @@ from common import (  # noqa: E402
     format_ms,
     format_ratio,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
     normalized_tokens,
     peak_extra_memory_mib,
     relative_error,
     release_cached_memory,
+    result_stem,
     write_results,
 )
 
@@ -216,7 +216,7 @@ def write_report(report: dict, out: Path, dry_run: bool = False) -> None:
         for kind in ("fwd", "train")
     }
     title = f"lik token-score variants vs materialized PyTorch, {report['gpu']}"
-    stem = f"variants_{gpu_tag(report['gpu'])}" + ("_dry-run" if dry_run else "")
+    stem = result_stem("variants", report["gpu"], dry_run)
     write_results(out, stem, report, text, (labels, series, title))
     print(text)
 

@@ -10,7 +10,6 @@ import importlib.metadata
 import itertools
 import json
 import math
-import os
 import platform
 import re
 import statistics
@@ -135,7 +134,7 @@ def bench_ms(fn: Callable[[], object], *, warmup_ms: int, rep_ms: int) -> float:
 def clean_l2_ms(fn: Callable[[], object], *, reps: int = 300) -> float:
     """Median milliseconds of `fn` on the GPU with L2 left clean before each call: do_bench
     empties L2 by writing a 256 MB buffer, whose dirty lines the timed call then writes
-    back (H100: ~10 us of a 262 MB rerank, results/l2_flush_H100.md); this reads it
+    back (H100: ~10 us of a 262 MB rerank, measured in commit 5fc3399); this reads it
     instead, as after a kernel that only read. make tune's timer for its near-ties."""
     from lik.runtime.tune import clean_l2_ms as timed  # GPU runs only, lik installed
 
@@ -337,17 +336,24 @@ def package_version(distribution: str) -> str | None:
         return None
 
 
+# The checkout these scripts belong to: git is asked about it, wherever they run from.
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+# A commit as results record it: git's short hash, "+dirty" when the tree differed.
+COMMIT_PATTERN = re.compile(r"[0-9a-f]{7,40}(\+dirty)?")
+
+
 def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True)
+    done = subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=True
+    )
     return done.stdout.strip()
 
 
 def git_commit() -> str | None:
-    """The checked-out commit (with '+dirty' for local changes), when git can tell, or
-    LIK_COMMIT when set: a copy of the tree made without its current git metadata (a GPU
-    machine's) names the commit it was copied from that way."""
-    if os.environ.get("LIK_COMMIT"):
-        return os.environ["LIK_COMMIT"]
+    """The commit a run measures, read from git: `git rev-parse --short HEAD`, plus
+    '+dirty' when `git status --porcelain` lists anything. None where git cannot tell (a
+    copy of the tree without its .git): such a run's results are no record to commit."""
     try:
         commit = _git("rev-parse", "--short", "HEAD")
         return commit + ("+dirty" if _git("status", "--porcelain") else "")
@@ -478,10 +484,28 @@ def speedup_series(report: dict, baselines, label, ratio) -> dict[str, list]:
     }
 
 
+def result_stem(suite: str, gpu: str, dry_run: bool = False) -> str:
+    """Where a suite's result goes under an output folder: <suite>/<card> (one file per
+    card, the latest run; benchmarks/results keeps them), <suite>/<card>_dry-run for a
+    CPU dry run."""
+    return f"{suite}/{gpu_tag(gpu)}" + ("_dry-run" if dry_run else "")
+
+
+def stamped(report: dict) -> dict:
+    """The report with its card and measured commit first, from its environment_info."""
+    env = report.get("env") or report.get("environment") or {}
+    return {"card": gpu_tag(env.get("gpu") or gpu_name()), "commit": env.get("commit"), **report}
+
+
 def write_results(out_dir: Path, stem: str, report: dict, markdown: str, plot=None) -> None:
-    """<stem>.json, <stem>.md and, given plot = (categories, series, title), <stem>.png."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / f"{stem}.json", report)
-    (out_dir / f"{stem}.md").write_text(markdown)
-    if plot is not None and not write_speedup_plot(out_dir / f"{stem}.png", *plot):
+    """<stem>.json (stamped with card and commit), <stem>.md and, given plot =
+    (categories, series, title), <stem>.png, under out_dir; stem is result_stem's."""
+    base = out_dir / stem
+    base.parent.mkdir(parents=True, exist_ok=True)
+    report = stamped(report)
+    if report["commit"] is None:
+        print("git cannot tell the commit of this tree: the results name none", flush=True)
+    write_json(Path(f"{base}.json"), report)
+    Path(f"{base}.md").write_text(markdown)
+    if plot is not None and not write_speedup_plot(Path(f"{base}.png"), *plot):
         print("matplotlib is not installed: no plot written", flush=True)

@@ -6,8 +6,8 @@
 # 2. installs lik (.whl/lik-*.whl, built with `pip wheel --no-deps -w .whl .`) and the
 #    peers (.peers/) and runs tests/test_plaid.py, GPU tests and fixture checks included;
 # 3. runs benchmarks/bench_plaid.py (with its launch-config sweep) into $OUT.
-# Everything lands flat in $OUT: plaid_session.log, fast_plaid_nbits{2,4,8}.pt,
-# plaid_<GPU>.json/.md/.png. A failing step is logged and the next one still runs.
+# Everything lands in $OUT: plaid_session.log, fast_plaid_nbits{2,4,8}.pt,
+# plaid/<card>.json/.md/.png. A failing step is logged and the next one still runs.
 set -uo pipefail
 
 : "${OUT:?set OUT to the folder that collects logs and results}"

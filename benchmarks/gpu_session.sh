@@ -2,15 +2,17 @@
 # One GPU session, run from the repository root with OUT set to an empty folder:
 #   OUT=/some/dir bash benchmarks/gpu_session.sh
 # Installs lik and the peer wheels (no network needed), records the environment, runs
-# the GPU tests, then the forward and training benchmarks. Everything lands flat in $OUT
-# (7 files): session.log, forward_<GPU>.json/.md/.png, train_<GPU>.json/.md/.png.
+# the GPU tests, then the forward and training benchmarks. Everything lands in $OUT:
+# session.log, and each suite's <suite>/<card>.json/.md/.png, the layout of
+# benchmarks/results (copy them over to commit: cp -r "$OUT"/*/ benchmarks/results/).
+# Results record the commit git reads in this tree (with +dirty for local changes): run
+# it on a copy that carries .git.
 # Optional: TEST_TARGETS (default "-m gpu tests"), TEST_ARGS (e.g. "-n 14"),
 # BENCH_ARGS / TRAIN_ARGS (extra flags, e.g. "--quick --shapes longdoc"), SKIP_FORWARD,
 # SKIP_TRAIN, RUN_TUNE (sweep configs first and use them), RUN_RAGGED / RUN_RETRIEVE /
 # RUN_BACKWARD / RUN_VARIANTS / RUN_FP8 / RUN_PLAID / RUN_HEAD / RUN_COLD_START / RUN_AUTOTUNE / RUN_HOST
 # (bench_<name>.py; bench_autotune takes about 8 minutes on an H200: raise EXTRA_TIMEOUT),
-# TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR, LIK_COMMIT
-# (the commit results name, where the copy of the tree has no current git metadata).
+# TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR.
 # A failing step is logged and the next one still runs.
 set -uo pipefail
 

@@ -26,10 +26,10 @@ from common import (  # noqa: E402
     bench_ms,
     environment_info,
     gpu_name,
-    gpu_tag,
     markdown_table,
     missing_gpu,
     provenance,
+    result_stem,
     write_results,
 )
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         return 2
     report = run()
     text = markdown(report)
-    write_results(args.out, f"head_tma_{gpu_tag(report['gpu'])}", report, text)
+    write_results(args.out, result_stem("head_tma", report["gpu"]), report, text)
     print(text)
     return 0
 

@@ -40,7 +40,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import environment_info, gpu_tag, markdown_table, provenance, write_json
+from common import (
+    RESULTS,
+    environment_info,
+    markdown_table,
+    provenance,
+    result_stem,
+    write_json,
+    write_results,
+)
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 FP8_TOLERANCE = 5e-2
@@ -682,11 +690,9 @@ def main(argv=None) -> int:
         result = soak(args.seconds, args.seed, SCALES[scale_name], args.device)
     report = {"environment": environment_info(), "workers": args.workers, "seed": args.seed,
               "scale": scale_name, "result": result}  # fmt: skip
-    out = args.out or Path(__file__).resolve().parent / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "soak_dry-run" if args.dry_run else f"soak_{gpu_tag(report['environment']['gpu'])}"
-    write_json(out / f"{stem}.json", report)
-    (out / f"{stem}.md").write_text(markdown(report))
+    out = args.out or RESULTS
+    stem = result_stem("soak", report["environment"]["gpu"], args.dry_run)
+    write_results(out, stem, report, markdown(report))
     total = sum(result["cases"].values())
     print(f"{total} cases, {len(result['failures'])} failed: {out / stem}.md")
     return 1 if result["failures"] else 0

@@ -22,7 +22,7 @@ def _dry_run(name: str, out: Path) -> tuple[dict, str]:
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    (report_path,) = out.glob(f"{name}_*_dry-run.json")
+    (report_path,) = out.glob(f"{name}/*_dry-run.json")  # <suite>/<card>_dry-run.*
     markdown = report_path.with_suffix(".md").read_text()
     return json.loads(report_path.read_text()), markdown
 
@@ -85,12 +85,12 @@ def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
     done = subprocess.run([*soak, "--seconds", "8", "--workers", "2", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads((tmp_path / "soak_dry-run.json").read_text())
+    report = json.loads((tmp_path / "soak" / "cpu_dry-run.json").read_text())
     assert report["result"]["failures"] == [] and report["result"]["cut_off"] == []
     assert report["result"]["workers"] == {"asked": 2, "reported": 2}
     cases = report["result"]["cases"]
     assert sum(cases.values()) >= 10 and cases.get("maxsim, gradients", 0) >= 1
-    assert "| maxsim |" in (tmp_path / "soak_dry-run.md").read_text()
+    assert "| maxsim |" in (tmp_path / "soak" / "cpu_dry-run.md").read_text()
     replayed = subprocess.run([*soak, "--case", "12345"], env=env, capture_output=True,
                               text=True, timeout=120)  # fmt: skip
     assert replayed.returncode == 0 and "case 12345: " in replayed.stdout, replayed.stderr[-2000:]
