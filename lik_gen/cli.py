@@ -83,16 +83,20 @@ def packaged(name: str) -> Path | None:
     if beside.is_dir():
         return beside
     # An editable install keeps them in the tree it was installed from; PEP 610's
-    # direct_url.json names that tree.
-    try:
-        record = json.loads(importlib.metadata.distribution("lik").read_text("direct_url.json"))
-    except (importlib.metadata.PackageNotFoundError, TypeError, ValueError):
-        return None
-    url = record.get("url", "")
-    if not (record.get("dir_info", {}).get("editable") and url.startswith("file://")):
-        return None
-    folder = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)) / name
-    return folder if folder.is_dir() else None
+    # direct_url.json names that tree. (A checkout's own lik.egg-info, found first when
+    # the working directory is on sys.path, has none: look at every lik distribution.)
+    for distribution in importlib.metadata.distributions(name="lik"):
+        try:
+            record = json.loads(distribution.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        url = record.get("url", "")
+        if not (record.get("dir_info", {}).get("editable") and url.startswith("file://")):
+            continue
+        folder = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)) / name
+        if folder.is_dir():
+            return folder
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
