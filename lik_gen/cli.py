@@ -244,7 +244,7 @@ def _keep(variant, parsed: tuple[str | None, str]) -> bool:
 
 def _explain(args, variants) -> int:
     from lik_gen.plan import plan
-    from lik_gen.render import environment, templates_used
+    from lik_gen.render import environment, output_path, templates_used
 
     match = [d for d in variants if d.variant.name == args.name]
     if not match:
@@ -254,11 +254,14 @@ def _explain(args, variants) -> int:
             print("did you mean: " + ", ".join(close), file=sys.stderr)
         return 1
     declared = match[0]
-    ctx = plan(declared.variant)
+    kernel = declared.variant.kernel
+    ctx = plan(kernel)
     env = environment(args.templates)
     print(f"variant:   {declared.variant.name}")
     print(f"declared:  family {declared.family!r} in {Path(declared.file).name}")
     print(f"spec:      {json.dumps(declared.variant.spec(), sort_keys=True)}")
+    print(f"kernel:    {kernel.name} (generated/{output_path(kernel)})")
+    print(f"values:    {json.dumps(declared.variant.values(), sort_keys=True)} (constexprs)")
     print(f"templates: {', '.join(templates_used(env, ctx.module_template, ctx))}")
     print("plan:")
     for field in dataclasses.fields(ctx):

@@ -4,8 +4,19 @@ The name is the file stem, the registry key and the custom-op name. Core axes al
 appear in it; optional axes only when they differ from their default, in a fixed order,
 so adding an axis later renames nothing.
 
-    maxsim_dense_qd_bf16_triton            core: op, layout, mask, dtype, target
-    maxsim_kd_d_fp16_triton_norm_unified   + optional flags that are not default
+    maxsim_dense_qdmask_bf16_triton            core: op, layout, mask, dtype, target
+    maxsim_kd_dmask_fp16_triton_norm_unified   + optional flags that are not default
+
+A variant is a (kernel, constexpr values) pair. Its `kernel` drops the value axes
+(VALUE_AXES: mask presence, normalize, input dtype), which change no code structure: one
+generated file serves every value, as constexprs (Triton) or function constants (Metal).
+
+    maxsim_dense_triton          every mask, normalize and dtype of dense Triton MaxSim
+    maxsim_dense_fp8_triton      fp8 storage carries scale tensors: a kernel of its own
+    maxsim_kd_triton_unified     + the optional structural flags, as in the variant name
+
+This module is the one contract between the generator and the runtime: the runtime
+builds names with `Variant` and reads the limits below from here.
 """
 
 from __future__ import annotations
@@ -45,6 +56,15 @@ class Mask(enum.Enum):
     @property
     def has_d(self) -> bool:
         return self in (Mask.D, Mask.QD)
+
+    @classmethod
+    def of(cls, has_q: bool, has_d: bool) -> Mask:
+        """The mask of a call that has a query mask, a doc mask, both or neither."""
+        return _MASK_OF[(bool(has_q), bool(has_d))]
+
+
+_MASK_OF = {(False, False): Mask.NONE, (True, False): Mask.Q, (False, True): Mask.D,
+            (True, True): Mask.QD}  # fmt: skip
 
 
 class DType(enum.Enum):
@@ -140,6 +160,33 @@ _FROM_TOKEN: dict[str, tuple[str, object]] = {
 }
 
 
+# Axes whose values are constexprs inside one kernel, not separate kernels. fp8 storage
+# is the exception within dtype: it adds scale tensors (Kernel.scaled).
+VALUE_AXES = ("mask", "normalize", "dtype")
+
+# Limits the generated kernels are built for, read by the runtime from here.
+MAX_HEAD_DIM = 512  # the widest BLOCK_K a Triton tuning table names
+# Metal: head dims up to this, in whole 8-wide tiles, so that a block of 8 query tokens
+# fits in 16 simdgroup fragments (32 registers per lane) and grad rows in 4 floats a lane.
+METAL_MAX_HEAD_DIM = 128
+# topk_mean: the doc-token slots a query token keeps, TOKEN_K per row of a tile in
+# registers (Metal: per lane); past 16 the register file spills.
+MAX_TOKEN_K = 16
+
+TORCH_DTYPE_NAME = {
+    DType.FP32: "float32",
+    DType.FP16: "float16",
+    DType.BF16: "bfloat16",
+    DType.FP8E4M3: "float8_e4m3fn",
+}
+_DTYPE_OF_TORCH_NAME = {name: dtype for dtype, name in TORCH_DTYPE_NAME.items()}
+
+
+def dtype_of(torch_dtype: object) -> DType:
+    """The DType of a torch dtype (torch.bfloat16 -> DType.BF16); KeyError if none."""
+    return _DTYPE_OF_TORCH_NAME[str(torch_dtype).removeprefix("torch.")]
+
+
 def allowed_values(axis: str) -> list[object]:
     """The values an axis accepts, as written in a spec file."""
     kind = AXES[axis]
@@ -156,6 +203,61 @@ def coerce(axis: str, raw: object) -> object:
             return raw
         raise ValueError(raw)
     return kind(raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A structural kernel: one generated file. Its name is the variant name without the
+    value axes, plus "fp8" where the storage carries dequantization scales."""
+
+    op: Op
+    layout: Layout
+    target: Target
+    scaled: bool = False
+    decompression: Decompression = Decompression.NONE
+    backward: Backward = Backward.NONE
+    score: Score = Score.MAX
+
+    @property
+    def name(self) -> str:
+        tokens = [_TOKENS["op"][self.op], _TOKENS["layout"][self.layout]]
+        if self.scaled:
+            tokens.append(_TOKENS["dtype"][DType.FP8E4M3])
+        tokens.append(_TOKENS["target"][self.target])
+        for axis in OPTIONAL_AXES:
+            if axis in VALUE_AXES:
+                continue
+            value = getattr(self, axis)
+            if value != DEFAULTS[axis]:
+                tokens.append(_TOKENS[axis][value])
+        return "_".join(tokens)
+
+    def spec(self) -> dict[str, object]:
+        """The kernel as plain JSON-able values, for headers and the manifest."""
+        out: dict[str, object] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            out[field.name] = value if isinstance(value, bool) else value.value
+        return out
+
+    def widest(self) -> Variant:
+        """The variant of this kernel with every optional input its layout and op can take
+        (both masks, normalize): a plan reads it for argument lists, which hold every
+        input any value needs (an input a call lacks is passed as None)."""
+        ragged = self.layout in (Layout.VARLEN, Layout.PACKED_PAIRS)
+        lengths = ragged or self.decompression is not Decompression.NONE  # no masks
+        mask = Mask.NONE if lengths else Mask.D if self.op is Op.HEAD else Mask.QD
+        return Variant(
+            op=self.op,
+            layout=self.layout,
+            mask=mask,
+            dtype=DType.FP8E4M3 if self.scaled else DType.BF16,
+            target=self.target,
+            normalize=not self.scaled,
+            decompression=self.decompression,
+            backward=self.backward,
+            score=self.score,
+        )
 
 
 @dataclasses.dataclass(frozen=True, order=False)
@@ -178,6 +280,24 @@ class Variant:
             if value != DEFAULTS[axis]:
                 tokens.append(_TOKENS[axis][value])
         return "_".join(tokens)
+
+    @property
+    def kernel(self) -> Kernel:
+        """The structural kernel (generated file) that serves this variant."""
+        return Kernel(
+            op=self.op,
+            layout=self.layout,
+            target=self.target,
+            scaled=self.dtype is DType.FP8E4M3,
+            decompression=self.decompression,
+            backward=self.backward,
+            score=self.score,
+        )
+
+    def values(self) -> dict[str, object]:
+        """The value axes, as JSON-able values: the constexprs this variant binds."""
+        spec = self.spec()
+        return {axis: spec[axis] for axis in VALUE_AXES}
 
     @classmethod
     def parse(cls, name: str) -> Variant:

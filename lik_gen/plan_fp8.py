@@ -31,8 +31,6 @@ def unsupported(variant: Variant) -> str | None:
         return None
     if variant.op is not Op.MAXSIM or variant.layout is not Layout.DENSE:
         return "fp8 inputs are scored by the dense MaxSim forward only (op maxsim, layout dense)"
-    if variant.normalize:
-        return "fp8 inputs are quantized from normalized embeddings; normalize must be false"
     if variant.decompression is not Decompression.NONE:
         return "fp8 inputs are stored uncompressed (decompression none)"
     if variant.score is not Score.MAX:

@@ -7,17 +7,16 @@ plugs in through one hook file in templates/metal/score/, all with the same func
 (templates/metal/backward/recompute.metal.j2): destination-owned like lowmem, it
 recomputes the similarities it needs and asks the hook for d token_score / d sim.
 
-Metal kernels cannot take Triton's TOKEN_K constexpr (torch.mps.compile_shader sets no
-function constants), so top-k variants take k as a trailing runtime argument, token_k,
-and keep MAX_TOKEN_K slots per lane.
+k is not a value of the variant (no axis declares it): top-k kernels take it as a
+trailing runtime argument, token_k, and keep lik_gen.ir.MAX_TOKEN_K slots per lane.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from lik_gen.ir import Backward, Score, Variant
-from lik_gen.plan import KernelArg
+from lik_gen.ir import MAX_TOKEN_K, Backward, Kernel, Score
+from lik_gen.plan_base import KernelArg
 
 SCORE_HOOK = {
     Score.WEIGHTED: "metal/score/weighted.metal.j2",
@@ -25,8 +24,6 @@ SCORE_HOOK = {
     Score.TOPK_MEAN: "metal/score/topk_mean.metal.j2",
 }
 RECOMPUTE_TEMPLATE = "metal/backward/recompute.metal.j2"
-# lik.runtime.variants.MAX_TOKEN_K: the top-k slots each lane keeps for its query token.
-MAX_TOKEN_K = 16
 # What the forward saves per query token for the backward (one lookup per spelling): the
 # winning doc token (weighted), the logsumexp (smooth), the k kept doc tokens (topk_mean).
 # Token indices are int16 like the Metal argmax (docs shorter than 2**15 tokens).
@@ -58,14 +55,14 @@ class MetalScorePlan:
     max_token_k: int
 
 
-def score_plan(variant: Variant) -> MetalScorePlan:
-    score = variant.score
+def score_plan(kernel: Kernel) -> MetalScorePlan:
+    score = kernel.score
     hooked = score is not Score.MAX
     return MetalScorePlan(
         score=score.value,
         hook=SCORE_HOOK.get(score, ""),
         weighted=score is Score.WEIGHTED,
-        save_stat=hooked and variant.backward is not Backward.NONE,
+        save_stat=hooked and kernel.backward is not Backward.NONE,
         saved_type=SAVED_TYPE.get(score, ""),
         saved_doc=SAVED_DOC.get(score, ""),
         saved_stride_k="stride_svk" if score is Score.TOPK_MEAN else "0",
@@ -74,12 +71,12 @@ def score_plan(variant: Variant) -> MetalScorePlan:
     )
 
 
-def score_decl(variant: Variant, name: str, role: str) -> str | None:
+def score_decl(kernel: Kernel, name: str, role: str) -> str | None:
     """The MSL type of a hooked score's tensor argument, None for the others. Weights
     travel as fp32 whatever their dtype (the runtime converts them; grad_W likewise)."""
-    if variant.score is Score.MAX:
+    if kernel.score is Score.MAX:
         return None
     if name == "Saved":
         const = "" if role == "forward" else "const "
-        return f"device {const}{SAVED_TYPE[variant.score]}*"
+        return f"device {const}{SAVED_TYPE[kernel.score]}*"
     return {"W": "device const float*", "GW": "device float*"}.get(name)

@@ -36,6 +36,7 @@ from lik_gen.ir import (
     Decompression,
     DType,
     Layout,
+    Mask,
     Op,
     Score,
     Variant,
@@ -112,6 +113,24 @@ CONTRADICTIONS: tuple[tuple[Callable[[Variant], bool], str], ...] = (
     (
         lambda v: v.decompression is not Decompression.NONE and not v.normalize,
         "decompressed residuals are L2-normalized after decoding, as PLAID does",
+    ),
+    (
+        lambda v: v.decompression is not Decompression.NONE and v.mask is not Mask.NONE,
+        "compressed docs carry lengths (doc_lengths or cu_seqlens_d), not masks",
+    ),
+    (
+        lambda v: v.decompression is not Decompression.NONE
+        and (v.backward is not Backward.NONE or v.dtype is DType.FP8E4M3),
+        "compressed docs have a forward only (the runtime derives grad_Q in PyTorch) over "
+        "fp32, fp16 or bf16 centroids",
+    ),
+    (
+        lambda v: v.op is Op.HEAD and v.mask.has_q,
+        "the fused head takes a doc mask only (its queries come projected and unmasked)",
+    ),
+    (
+        lambda v: v.dtype is DType.FP8E4M3 and v.normalize,
+        "fp8 inputs are quantized from normalized embeddings; normalize must be false",
     ),
     (
         lambda v: v.score is not Score.MAX

@@ -66,8 +66,7 @@ def cache_key(key) -> str:
     (a regenerated kernel tunes again; so does another Triton)."""
     import triton  # only CUDA calls get here, and they run Triton
 
-    files = registry.manifest()[key.variant]["files"]
-    kernel = next(iter(files.values()))[:16]
+    kernel = registry.kernels()[registry.entry(key.variant)["kernel"]]["sha256"][:16]
     return f"{key.card}|{key.table_key()}|{kernel}|triton {triton.__version__}"
 
 

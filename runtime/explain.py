@@ -197,7 +197,7 @@ def render(plan: ForwardPlan) -> str:
     key = plan.key.table_key()
     lines = [
         f"maxsim(Q [{nq}, {lq}, {d}], D [{nd}, {ld}, {d}]{masks}) in {dtype}, {gpus}",
-        f"  kernel    {plan.key.variant} (generated/triton/{plan.key.variant}.py)",
+        f"  kernel    {plan.key.variant} (generated/{registry.kernel_file(plan.key.variant)})",
         f"  key       {key} ({_entry(key, plan.source, family, autotuned=plan.autotuned)})",
     ]
     if config.evict_docs:

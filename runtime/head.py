@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from lik.runtime import dispatch, registry, validate
 from lik.runtime.api import maxsim
 from lik.runtime.keys import (
-    MAX_HEAD_DIM,
     MIN_BLOCK,
     gpu_family,
     next_power_of_two,
@@ -44,6 +43,7 @@ from lik.runtime.keys import (
 )
 from lik.runtime.reference import maxsim_from_hidden_reference
 from lik.runtime.tuning import DEFAULT_SMEM_LIMIT, SMEM_LIMIT
+from lik_gen.ir import MAX_HEAD_DIM
 
 __all__ = ["HeadConfig", "head_config", "maxsim_from_hidden"]
 
@@ -125,7 +125,8 @@ def head_config(
     module, Q: torch.Tensor, doc_tokens: int | None = None, hidden_bytes: int | None = None
 ) -> HeadConfig:
     """The default launch config for scoring Q against docs of doc_tokens (Ld) hidden
-    states, hidden_bytes in all, with a generated head module (no sweep)."""
+    states, hidden_bytes in all, with a head variant from registry.load (whose smem_bytes
+    counts its dtype's operand bytes; no sweep)."""
     Nq, Lq, d = Q.shape
     block_q = min(MAX_BLOCK_Q, max(MIN_BLOCK, next_power_of_two(Lq)))
     family = gpu_family(Q.device)
@@ -181,21 +182,19 @@ def _launch_in_doc_chunks(module, out, Q, H, W, b, mask, argmax, config):
     per_doc = slots * (8 if argmax is not None else 4)
     docs = max(1, PARTIAL_LIMIT_BYTES // per_doc)
     if docs >= Nd:  # one launch on the tensors as given (views cost host time per call)
-        module.launch(out, Q, H, W, b=b, argmax=argmax, config=config,
-                      **({"d_mask": mask} if mask is not None else {}))  # fmt: skip
+        module.launch(out, Q, H, W, b=b, d_mask=mask, argmax=argmax, config=config)
         return
     for start in range(0, Nd, docs):
         stop = min(Nd, start + docs)
-        extra = {"d_mask": mask[start:stop]} if mask is not None else {}
         module.launch(
             out[:, start:stop],
             Q,
             H[start:stop],
             W,
             b=b,
+            d_mask=mask[start:stop] if mask is not None else None,
             argmax=argmax[:, start:stop] if argmax is not None else None,
             config=config,
-            **extra,
         )
 
 

@@ -11,16 +11,26 @@ import functools
 
 import torch
 
+from lik_gen.ir import (
+    MAX_HEAD_DIM,  # noqa: F401  (re-exported: the runtime reads limits through keys)
+    Backward,
+    Decompression,
+    Layout,
+    Mask,
+    Op,
+    Score,
+    Target,
+    Variant,
+    dtype_of,
+)
+
 # Longest query one launch scores; longer queries are cut into chunks of this many
 # tokens whose per-chunk sums add up exactly (a max never spans query tokens).
 LQ_CHUNK = 512
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
-MAX_HEAD_DIM = 512
 
-_DTYPE_TOKEN = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-SUPPORTED_DTYPES = tuple(_DTYPE_TOKEN)
 # fp8 has its own entry (lik.runtime.fp8), so it names variants but is not a maxsim dtype.
-_NAME_TOKEN = {**_DTYPE_TOKEN, torch.float8_e4m3fn: "fp8"}
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def next_power_of_two(n: int) -> int:
@@ -86,15 +96,6 @@ def _cuda_family(index: int) -> str:
     return "older"
 
 
-# The mask token of a variant's name (its third), by (q_mask given, d_mask given).
-MASK_TOKENS = {
-    (False, False): "nomask",
-    (True, False): "qmask",
-    (False, True): "dmask",
-    (True, True): "qdmask",
-}
-
-
 @functools.cache  # a handful of distinct names; looked up every call
 def variant_name(
     layout: str,
@@ -105,16 +106,21 @@ def variant_name(
     target: str = "triton",
     backward: str = "none",
     op: str = "maxsim",
+    score: str = "max",
+    decompression: str = "none",
 ) -> str:
-    """The canonical generated-variant name (see lik_gen.ir.Variant.name)."""
-    mask = MASK_TOKENS[(has_q_mask, has_d_mask)]
-    layout_token = layout.replace("_", "")  # packed_pairs -> packedpairs
-    name = f"{op}_{layout_token}_{mask}_{_NAME_TOKEN[dtype]}_{target}"
-    if normalize:
-        name += "_norm"
-    if backward != "none":
-        name += f"_{backward}"
-    return name
+    """The canonical generated-variant name of a call, built by lik_gen.ir.Variant."""
+    return Variant(
+        op=Op(op),
+        layout=Layout(layout),
+        mask=Mask.of(has_q_mask, has_d_mask),
+        dtype=dtype_of(dtype),
+        target=Target(target),
+        normalize=normalize,
+        decompression=Decompression(decompression),
+        backward=Backward(backward),
+        score=Score(score),
+    ).name
 
 
 MAX_QUERY_GROUP = 8

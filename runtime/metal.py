@@ -1,15 +1,20 @@
 """Apple GPUs (MPS): the generated Metal kernels, or a fallback outside their envelope.
 
-Each variant's generated/metal/<name>.metal is compiled once per process with
-torch.mps.compile_shader, under a lock; a variant that fails to compile is remembered,
-reported once (a RuntimeWarning) and served by the fallback from then on. The file's
-launch block, written by lik-gen from the plan, lists each kernel's arguments in order
-and its simdgroup count, so this module binds tensors, sizes and strides without knowing
-any variant. Every kernel gives one simdgroup (32 threads) one unit of work.
+A generated file, generated/metal/<kernel>.metal, is one structural kernel serving many
+variants. Each variant is compiled once per process with torch.mps.compile_shader, under
+a lock, from its source: `preamble` (the variant's values from the manifest: mask
+presence, normalize and the storage type, as compile-time constants), then the helpers
+every kernel shares (generated/metal/common.metal), then its kernel's file, each file
+checked against both hashes. A variant that fails to compile is
+remembered, reported once (a RuntimeWarning) and served by the fallback from then on. The
+file's launch block, written by lik-gen from the plan, lists each kernel's arguments in
+order and its simdgroup count, so this module binds tensors, sizes and strides without
+knowing any kernel. Every kernel gives one simdgroup (32 threads) one unit of work.
 
-Envelope of the kernels: head dim a multiple of 8 up to 128, docs shorter than 2**15
-tokens (the saved argmax is int16), and more than a tiny amount of work. Outside it,
-torch.compile of the reference runs (head dims), or the eager reference (tiny shapes).
+Envelope of the kernels: head dim a multiple of 8 up to lik_gen.ir.METAL_MAX_HEAD_DIM,
+docs shorter than 2**15 tokens (the saved argmax is int16), and more than a tiny amount
+of work. Outside it, torch.compile of the reference runs (head dims), or the eager
+reference (tiny shapes).
 LIK_FORCE_MPS_BACKEND=metal|compile|reference pins the path (metal outside its envelope
 raises). Metal has one backward strategy, the destination-owned "lowmem" one: a
 `backward="unified"` request runs it too.
@@ -27,7 +32,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import importlib.resources
 import json
 import operator
 import os
@@ -44,10 +48,10 @@ from lik.runtime.reference import (
     maxsim_reference,
     maxsim_scored_reference,
 )
+from lik_gen.ir import METAL_MAX_HEAD_DIM, Mask
 
 FORCE_ENV = "LIK_FORCE_MPS_BACKEND"
 BACKENDS = ("metal", "compile", "reference")
-MAX_HEAD_DIM = 128  # lik_gen.plan_metal.MAX_HEAD_DIM: a query block's fragments in registers
 HEAD_DIM_MULTIPLE = 8  # the kernels read whole 8-wide simdgroup_matrix tiles
 MAX_DOC_TOKENS = 2**15 - 1  # argmax is int16 (lik.runtime.autograd saves it so)
 # Similarity entries (pairs x Lq x Ld) below which the eager reference runs: a launch,
@@ -55,10 +59,12 @@ MAX_DOC_TOKENS = 2**15 - 1  # argmax is int16 (lik.runtime.autograd saves it so)
 TINY_WORK = 4096
 BACKWARD = "lowmem"  # the one Metal backward strategy
 
-# Name tokens of the hooked token scores (lik_gen.ir.Score).
-_SCORE_TOKEN = {"weighted": "weighted", "smooth": "smooth", "topk_mean": "topkmean"}
-
 _LAUNCH_BLOCK = re.compile(r"/\* launch:\n(.*?)\n\*/", re.DOTALL)
+
+
+def max_head_dim() -> int:
+    """The widest head dim the kernels take (lik_gen.ir.METAL_MAX_HEAD_DIM)."""
+    return METAL_MAX_HEAD_DIM
 
 
 def handles(device: torch.device) -> bool:
@@ -134,12 +140,7 @@ def forward(layout, Q, D, q_mask, d_mask, normalize, out, *, backward="none", ar
         raise ValueError(f"the Metal kernels save an int16 argmax, got {argmax.dtype}")
     strategy = "none" if backward == "none" else BACKWARD
     name = _name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, strategy)
-    tensors = {
-        "Q": Q,
-        "D": D,
-        "q_mask": validate.byte_mask(q_mask),
-        "d_mask": validate.byte_mask(d_mask),
-    }
+    tensors = _inputs(Q, D, q_mask, d_mask)
     _launch(_compile(name), "forward", {**tensors, "out": out, "argmax": argmax})
     return out
 
@@ -248,10 +249,22 @@ class _Scored(torch.autograd.Function):
 
 def _scored_name(call: ScoredCall, Q, masked: bool, training: bool) -> str:
     """The Metal variants of the hooked scores have no mask or both masks (a call with one
-    mask runs the both-masks variant, the other all valid): half as many variants."""
+    mask runs the both-masks variant, the other all valid), as specs/metal.toml declares."""
     strategy = BACKWARD if training else "none"
-    base = _name(call.layout, masked, masked, call.normalize, Q.dtype, strategy)
-    return f"{base}_{_SCORE_TOKEN[call.score]}"
+    return _name(call.layout, masked, masked, call.normalize, Q.dtype, strategy, call.score)
+
+
+def _inputs(Q, D, q_mask, d_mask) -> dict[str, torch.Tensor]:
+    """Q, D and the masks as the kernels bind them. Every kernel of a file takes both
+    mask slots; an absent mask's slot takes the tensor whose tokens it would mask (Q or
+    D): a valid buffer with valid strides, which the kernel never reads, since its
+    variant's HAS_Q_MASK / HAS_D_MASK is false. No placeholder is allocated."""
+    return {
+        "Q": Q,
+        "D": D,
+        "q_mask": Q if q_mask is None else validate.byte_mask(q_mask),
+        "d_mask": D if d_mask is None else validate.byte_mask(d_mask),
+    }
 
 
 def _scored_inputs(Q, D, weights, q_mask, d_mask) -> dict[str, torch.Tensor]:
@@ -261,10 +274,7 @@ def _scored_inputs(Q, D, weights, q_mask, d_mask) -> dict[str, torch.Tensor]:
             q_mask = torch.ones(q_rows, dtype=torch.bool, device=Q.device)
         else:
             d_mask = torch.ones(d_rows, dtype=torch.bool, device=D.device)
-    tensors = {"Q": Q, "D": D}
-    if q_mask is not None:
-        tensors["q_mask"] = validate.byte_mask(q_mask)
-        tensors["d_mask"] = validate.byte_mask(d_mask)
+    tensors = _inputs(Q, D, q_mask, d_mask)
     if weights is not None:
         tensors["W"] = weights.float()  # the kernels read fp32 weights, whatever their dtype
     return tensors
@@ -302,9 +312,9 @@ def _forced() -> str | None:
 
 def _outside_envelope(Q: torch.Tensor, D: torch.Tensor) -> str | None:
     """Why the Metal kernels cannot take these inputs, or None when they can."""
-    dim = Q.shape[-1]
-    if dim % HEAD_DIM_MULTIPLE or dim > MAX_HEAD_DIM:
-        return f"head dim {dim} is not a multiple of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}"
+    dim, limit = Q.shape[-1], max_head_dim()
+    if dim % HEAD_DIM_MULTIPLE or dim > limit:
+        return f"head dim {dim} is not a multiple of {HEAD_DIM_MULTIPLE} up to {limit}"
     if D.shape[-2] > MAX_DOC_TOKENS:
         return f"docs of {D.shape[-2]} tokens (the int16 argmax stops at {MAX_DOC_TOKENS})"
     return None
@@ -321,10 +331,10 @@ def _work(layout: str, Q: torch.Tensor, D: torch.Tensor) -> int:
     return pairs * Q.shape[1] * D.shape[-2]
 
 
-def _name(layout, has_q_mask, has_d_mask, normalize, dtype, strategy) -> str:
-    return variant_name(
-        layout, has_q_mask, has_d_mask, normalize, dtype, target="metal", backward=strategy
-    )
+def _name(layout, has_q_mask, has_d_mask, normalize, dtype, strategy, score="max") -> str:
+    """The Metal variant of a call (lik_gen.ir.Variant, through keys.variant_name)."""
+    return variant_name(layout, has_q_mask, has_d_mask, normalize, dtype, target="metal",
+                        backward=strategy, score=score)  # fmt: skip
 
 
 def _reference(layout: str):
@@ -353,7 +363,7 @@ def _compile(name: str) -> _Compiled:
     with _lock:
         if name not in _compiled and name not in _failures:
             text = source(name)
-            launch = json.loads(_LAUNCH_BLOCK.search(text).group(1))
+            launch = launch_block(text)
             try:
                 _compiled[name] = _Compiled(compile_shader(text), launch)
             except Exception as error:  # the Metal compiler reports through RuntimeError
@@ -370,14 +380,43 @@ def _compile(name: str) -> _Compiled:
 
 
 def source(name: str) -> str:
-    """The generated Metal source of a variant, checked against its header hash."""
-    entry = registry.manifest().get(name)
-    if entry is None:
-        raise KeyError(f"no generated Metal variant named {name!r}: see specs/metal.toml")
-    (path,) = entry["files"]
-    text = (importlib.resources.files("lik.generated") / path).read_text()
-    registry.verify_text(name, path, text)
-    return text
+    """The Metal source of a variant: the preamble of its values, the shared helpers
+    (generated/metal/common.metal), then its kernel's generated file, both files checked
+    against their header hash and the manifest's. A `#line 1 "<file>"` before each file
+    makes compiler messages name that file and its own lines."""
+    path, text = registry.read_verified(name)
+    common_path, common = registry.read_shared("metal")
+    element_types = launch_block(text)["element_types"]
+    values = registry.entry(name)["values"]
+    return preamble(name, values, element_types) + _line(common_path) + common + _line(path) + text
+
+
+def _line(path: str) -> str:
+    return f'#line 1 "{path}"\n'
+
+
+def preamble(name: str, values: dict, element_types: dict[str, str]) -> str:
+    """What the shared helpers and a kernel's file are compiled after for variant `name`:
+    its values (a manifest entry's "values": mask, normalize, dtype) as the constants the
+    kernels branch on, HAS_Q_MASK, HAS_D_MASK and NORMALIZE, and the storage type of Q, D
+    and their gradients as Element, spelled as the file's launch block says
+    (element_types).
+
+    torch.mps.compile_shader sets no MTLFunctionConstantValues, so these are `constant
+    constexpr` declarations: the compiler folds every `if (NORMALIZE)` as it would a
+    function constant's."""
+    mask = Mask(values["mask"])
+    flags = {"HAS_Q_MASK": mask.has_q, "HAS_D_MASK": mask.has_d, "NORMALIZE": values["normalize"]}
+    lines = [f"// variant: {name}"]
+    lines += [f"constant constexpr bool {flag} = {str(bool(on)).lower()};"
+              for flag, on in flags.items()]  # fmt: skip
+    lines += [f"typedef {element_types[values['dtype']]} Element;  // {values['dtype']}"]
+    return "\n".join(lines) + "\n"
+
+
+def launch_block(text: str) -> dict:
+    """The launch block of a generated Metal file (or of a source that contains one)."""
+    return json.loads(_LAUNCH_BLOCK.search(text).group(1))
 
 
 def _launch(compiled: _Compiled, role: str, tensors: dict[str, torch.Tensor],

@@ -172,7 +172,8 @@ def _residual_words(residuals: torch.Tensor) -> torch.Tensor:
 
 
 def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
-    return variant_name(layout, False, False, True, centroids.dtype) + f"_res{nbits}"
+    return variant_name(layout, False, False, True, centroids.dtype,
+                        decompression=f"residual{nbits}")  # fmt: skip
 
 
 def _query_chunks(module, Q: torch.Tensor):

@@ -15,7 +15,8 @@ import importlib.resources
 import re
 import tomllib
 
-from lik.runtime.keys import MASK_TOKENS, KernelKey
+from lik.runtime.keys import KernelKey
+from lik_gen.ir import Mask, Variant
 
 # Shared memory per block a kernel may claim, by family (bytes). Bigger pipelines are
 # cut down to fit rather than failing to launch.
@@ -101,11 +102,11 @@ def unmasked_key(key: KernelKey) -> KernelKey | None:
     has no entry of its own, its unmasked twin's tuned entry is a closer fit than the
     default (H100, in-batch 256 x 256 with a doc mask: 0.63 -> 0.41 ms, unmasked 0.33;
     benchmarks/results/masked_configs_H100_H200.md)."""
-    op, layout, mask, *rest = key.variant.split("_")
-    unmasked = MASK_TOKENS[(False, False)]
-    if mask == unmasked:
+    variant = Variant.parse(key.variant)
+    if variant.mask is Mask.NONE:
         return None
-    return dataclasses.replace(key, variant="_".join([op, layout, unmasked, *rest]))
+    unmasked = dataclasses.replace(variant, mask=Mask.NONE).name
+    return dataclasses.replace(key, variant=unmasked)
 
 
 def committed_source(key: KernelKey) -> tuple[str, str] | None:

@@ -24,11 +24,7 @@ import torch
 from lik.runtime import dispatch, metal, norm_warning, registry, validate
 from lik.runtime.keys import next_power_of_two, variant_name
 from lik.runtime.reference import maxsim_scored_reference
-
-# Slots the top-k hook keeps per query token live in registers, TOKEN_K of them per row
-# of a tile: past 16 the register file spills.
-MAX_TOKEN_K = 16
-_SCORE_TOKEN = {"weighted": "weighted", "smooth": "smooth", "topk_mean": "topkmean"}
+from lik_gen.ir import MAX_TOKEN_K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +37,8 @@ class _Call:
 
 
 def _name(call: _Call, Q, has_q_mask: bool, has_d_mask: bool, backward: str) -> str:
-    base = variant_name(call.layout, has_q_mask, has_d_mask, call.normalize, Q.dtype,
-                        backward=backward)  # fmt: skip
-    return f"{base}_{_SCORE_TOKEN[call.score]}"
+    return variant_name(call.layout, has_q_mask, has_d_mask, call.normalize, Q.dtype,
+                        backward=backward, score=call.score)  # fmt: skip
 
 
 def _score_keywords(call: _Call) -> dict:

@@ -6,6 +6,7 @@ docs/adding-a-variant.md)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import textwrap
 from pathlib import Path
 
@@ -42,8 +43,13 @@ def test_spec_to_generated_module_to_scores(tmp_path):
     assert main([*args, "generate"]) == 0
     assert main([*args, "check"]) == 0
 
-    path = out / "triton" / "maxsim_dense_dmask_bf16_triton_norm.py"
-    spec = importlib.util.spec_from_file_location("my_rerank_variant", path)
+    # The variant is a (kernel, values) pair: its kernel's file, its values as constexprs.
+    manifest = json.loads((out / "MANIFEST.json").read_text())
+    entry = manifest["variants"]["maxsim_dense_dmask_bf16_triton_norm"]
+    assert entry["kernel"] == "maxsim_dense_triton"
+    assert entry["values"] == {"mask": "d", "normalize": True, "dtype": "bf16"}
+    path = out / manifest["kernels"]["maxsim_dense_triton"]["file"]
+    spec = importlib.util.spec_from_file_location("my_rerank_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 
@@ -54,7 +60,7 @@ def test_spec_to_generated_module_to_scores(tmp_path):
     out_scores = torch.full((3, 5), float("nan"))
     config = LaunchConfig(block_q=16, block_l=16, block_k=64, num_warps=4, num_stages=1,
                           query_group=2, interpret=True)  # fmt: skip
-    module.launch(out_scores, Q, D, d_mask.view(torch.uint8), config=config)
+    module.launch(out_scores, Q, D, d_mask=d_mask.view(torch.uint8), normalize=True, config=config)
 
     ref = maxsim_reference(Q.double(), D.double(), None, d_mask, normalize=True)
     assert relative_error(out_scores, ref) < 1e-5

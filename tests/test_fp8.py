@@ -20,6 +20,7 @@ from lik.runtime.reference import maxsim_fp8_reference
 from lik.runtime.tuning import default_config
 from lik_gen.ir import Variant
 from lik_gen.plan import PlanError, plan
+from lik_gen.spec import CONTRADICTIONS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8_TOLERANCE = 5e-2  # DESIGN.md: fp8 vs the float64 reference of the dequantized inputs
@@ -441,15 +442,22 @@ def test_fp8_family_is_generated_for_the_dense_forward_only():
         assert f"maxsim_dense_{mask}_fp8_triton" in registry.names()
     for name, reason in [
         ("maxsim_kd_nomask_fp8_triton", "dense"),
-        ("maxsim_dense_nomask_fp8_triton_norm", "normalize"),
         ("topk_dense_nomask_fp8_triton", "dense MaxSim forward"),
     ]:
         with pytest.raises(PlanError, match=reason):
-            plan(Variant.parse(name))
-    ctx = plan(Variant.parse("maxsim_dense_qdmask_fp8_triton"))
-    assert ctx.scaled and ctx.launcher_args == ("Q", "D", "scale_Q", "scale_D", "q_mask", "d_mask")
+            plan(Variant.parse(name).kernel)
+    # A value the fp8 kernel cannot take is refused where variants are declared.
+    normalized = Variant.parse("maxsim_dense_nomask_fp8_triton_norm")
+    assert [why for test, why in CONTRADICTIONS if test(normalized)] == [
+        "fp8 inputs are quantized from normalized embeddings; normalize must be false"
+    ]
+    # Every mask value of fp8 is one kernel: its plan takes both masks and the scales.
+    ctx = plan(Variant.parse("maxsim_dense_qdmask_fp8_triton").kernel)
+    assert ctx.scaled and ctx.launcher_args == (
+        "Q", "D", "scale_Q", "scale_D", "q_mask=None", "d_mask=None")  # fmt: skip
     assert [a.name for a in ctx.fwd_args[:4]] == ["Q", "D", "scale_Q", "scale_D"]
-    assert not plan(Variant.parse("maxsim_dense_qdmask_bf16_triton")).scaled
+    assert ctx.name == "maxsim_dense_fp8_triton"
+    assert not plan(Variant.parse("maxsim_dense_qdmask_bf16_triton").kernel).scaled
 
 
 def test_fp8_default_config_keeps_tile_bytes():

@@ -167,8 +167,8 @@ def test_generated_kernel_scores_the_same_through_the_cache_and_through_triton()
     """Aligned and misaligned views, repeated: the cached launches match Triton's own."""
     from lik.runtime import maxsim, registry
 
-    module = registry.load("maxsim_dense_nomask_bf16_triton")
-    kernel = module.maxsim_dense_nomask_bf16_triton_fwd_kernel
+    module = registry.load("maxsim_dense_nomask_bf16_triton").module  # the kernel's module
+    kernel = module.maxsim_dense_triton_fwd_kernel
     assert isinstance(kernel, CachedLaunch)
     g = torch.Generator(device="cuda").manual_seed(3)
     storage = torch.randn(7 * 37 * 64 + 1, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -176,7 +176,7 @@ def test_generated_kernel_scores_the_same_through_the_cache_and_through_triton()
     for offset in (0, 1, 0, 1):  # bf16 offset 1: a 2-byte-aligned doc pointer
         D = storage[offset : offset + 7 * 37 * 64].view(7, 37, 64)
         cached = maxsim(Q, D)
-        with tritons_path(module, "maxsim_dense_nomask_bf16_triton_fwd_kernel"):
+        with tritons_path(module, "maxsim_dense_triton_fwd_kernel"):
             direct = maxsim(Q, D)
         assert torch.equal(cached, direct)
     assert len(kernel._compiled) >= 2
@@ -280,7 +280,7 @@ def test_fused_head_scores_the_same_through_the_cache_and_through_triton(Ld):
     from lik.runtime import head, registry
 
     module = registry.load("head_dense_nomask_bf16_triton_norm")
-    name = "head_dense_nomask_bf16_triton_norm_fwd_bias_kernel"
+    name = "head_dense_triton_fwd_kernel"
     kernel = getattr(module, name)
     g = torch.Generator(device="cuda").manual_seed(5)
     Q = torch.randn(2, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -291,7 +291,7 @@ def test_fused_head_scores_the_same_through_the_cache_and_through_triton(Ld):
         H = torch.randn(5, Ld, 256, generator=g, device="cuda", dtype=torch.bfloat16)
         assert module._tma_operand(H, config)[1]
         cached, _ = head._forward(Q, H, W, b, None, True, False, config)
-        with tritons_path(module, name):
+        with tritons_path(module.module, name):  # the kernel's module, not the bound variant
             direct, _ = head._forward(Q, H, W, b, None, True, False, config)
         assert torch.equal(cached, direct)
     # Every launch keyed (before descriptors were keyed, each stayed on Triton's path).

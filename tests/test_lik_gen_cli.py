@@ -42,13 +42,13 @@ def test_acts_on_the_checkout_of_the_working_directory(checkout, monkeypatch, ca
     before = _manifest_mtime()
     monkeypatch.chdir(checkout / "specs")  # a folder inside it: found by walking up
     assert main(["generate"]) == 0
-    kernel = checkout / "generated" / "triton" / "maxsim_kd_nomask_bf16_triton.py"
+    kernel = checkout / "generated" / "triton" / "maxsim_kd_triton.py"
     assert kernel.is_file()
     assert main(["check"]) == 0
     kernel.write_text(kernel.read_text() + "# a hand edit\n")
     capsys.readouterr()
     assert main(["check"]) == 1  # that checkout's hand edit, not this one's clean tree
-    assert "maxsim_kd_nomask_bf16_triton.py" in capsys.readouterr().err
+    assert "maxsim_kd_triton.py" in capsys.readouterr().err
     assert _manifest_mtime() == before, "wrote into the tree lik-gen was installed from"
 
 

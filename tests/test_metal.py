@@ -1,13 +1,21 @@
 """Metal, without a Mac.
 
-(a) Every generated .metal file compiles as C++ against tests/metal/metal_syntax.h, which
-    declares the Metal surface the templates use (one g++ -fsyntax-only run, -Werror: an
-    unused kernel argument fails too); attribute names and buffer numbering are checked
-    from the text.
+A generated .metal file is one structural kernel; a variant is that file compiled after
+lik.runtime.metal.preamble, which binds the variant's values (mask presence, normalize,
+storage type) as compile-time constants, and after generated/metal/common.metal, the
+helpers every kernel shares. The harness compiles exactly what the runtime hands
+torch.mps.compile_shader: metal.source(name), preamble, common module and file.
+
+(a) Every declared Metal variant (preamble + common module + its kernel's file) compiles
+    as C++ against tests/metal/metal_syntax.h, which declares the Metal surface the
+    templates use (one g++ -fsyntax-only run, -Werror: an unused kernel argument fails
+    too); attribute names and buffer numbering are checked from each file's text, and
+    compiler messages name the generated file and line (metal.source's #line).
 (b) A handful of variants run on the CPU: tests/metal/metal_cpu.h implements that surface
     (32 lanes of a simdgroup in lockstep at every simdgroup function), driver.cpp exposes
     the kernels to ctypes, and results are compared with the float64 reference, forward
-    (scores and argmax) and backward.
+    (scores and argmax) and backward. An absent mask's slot is bound to a buffer of zeros
+    here: a kernel that read it would mask every token and fail the comparison.
 (c) The MPS runtime (lik.runtime.metal) is exercised on CPU tensors by replacing only the
     compile boundary, metal.compile_shader: the fake library checks every launch against
     the kernel's own signature (argument count, dtypes, scalars, grid) and runs it on the
@@ -18,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import re
 import shutil
@@ -33,14 +40,17 @@ import torch.nn.functional as F
 from helpers import TOLERANCE, relative_error
 
 from lik.runtime import api, autograd, dispatch, metal, registry
+from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
+from lik_gen.ir import TORCH_DTYPE_NAME, Backward, DType, Target, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "metal"
 GENERATED = ROOT / "generated"
-METAL_NAMES = sorted(n for n in registry.names() if n.split("_")[4] == "metal")
+METAL_NAMES = sorted(n for n in registry.names() if Variant.parse(n).target is Target.METAL)
+METAL_KERNELS = sorted({registry.entry(n)["kernel"] for n in METAL_NAMES})
 # Variants built for execution: every layout, mask, dtype, normalize and backward value
-# appears at least once.
+# appears at least once, and several share a kernel's file.
 EXECUTED = (
     "maxsim_dense_qdmask_fp32_metal_norm_lowmem",
     "maxsim_dense_qdmask_fp32_metal_norm",
@@ -63,16 +73,22 @@ kernel void divergent_sum(device float* out [[buffer(0)]],
 }
 """
 CXXFLAGS = ["-std=c++17", "-Wall", "-Wextra", "-Werror", f"-I{HARNESS}", f"-I{HARNESS}/include"]
-MSL_DTYPE = {
-    "float": torch.float32,
-    "half": torch.float16,
-    "ushort": torch.bfloat16,
-    "uchar": torch.uint8,
-    "short": torch.int16,
-}
+MSL_DTYPE = {"float": torch.float32, "uchar": torch.uint8, "short": torch.int16}
 ATTRIBUTES = {"buffer", "threadgroup_position_in_grid", "simdgroup_index_in_threadgroup",
               "thread_index_in_simdgroup"}  # fmt: skip
-TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The mask slots, and the Mask property that says whether a variant has the mask.
+MASK_SLOTS = {"q_mask": "has_q", "d_mask": "has_d"}
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    return getattr(torch, TORCH_DTYPE_NAME[dtype])
+
+
+def kernel_text(kernel: str) -> str:
+    return (GENERATED / registry.kernels()[kernel]["file"]).read_text()
+
+
+COMMON_PATH, COMMON_TEXT = registry.read_shared("metal")  # the helpers every kernel shares
 
 
 # --- building ----------------------------------------------------------------------------
@@ -86,44 +102,60 @@ def _compiler() -> list[str]:
     return [cxx, *CXXFLAGS, ignore]
 
 
-def _namespaced_includes(names) -> str:
-    """One translation unit for many variants: each file in a namespace of its own."""
-    return "".join(
-        f'namespace v{i} {{\n#include "{GENERATED / "metal" / name}.metal"\n}}\n'
-        for i, name in enumerate(names)
-    )
+def _namespaced_sources(names) -> str:
+    """One translation unit for many variants: each variant's source (the runtime's
+    preamble, the common module and its kernel's file) in a namespace of its own."""
+    return "".join(f"namespace v{i} {{\n{metal.source(name)}}}\n" for i, name in enumerate(names))
+
+
+def launch_key(variant: str, kernel: str) -> str:
+    """The driver's name for a kernel of one variant's build (kernel names repeat across
+    the variants of a file)."""
+    return f"{variant}/{kernel}"
 
 
 def _kernels_inc(names) -> str:
     entries = []
     for i, name in enumerate(names):
-        for kernel in launch_block(name)["kernels"].values():
-            entries.append(
-                f'{{"{kernel["name"]}", &lik_cpu::launch_kernel<&v{i}::{kernel["name"]}>}}'
-            )
+        for kernel in metal.launch_block(metal.source(name))["kernels"].values():
+            key, function = launch_key(name, kernel["name"]), kernel["name"]
+            entries.append(f'{{"{key}", &lik_cpu::launch_kernel<&v{i}::{function}>}}')
     entries.append('{"divergent_sum", &lik_cpu::launch_kernel<&divergent_sum>}')
     table = ",\n".join(f"    {e}" for e in entries)
-    return (_namespaced_includes(names) + DIVERGENT_KERNEL
+    return (_namespaced_sources(names) + DIVERGENT_KERNEL
             + f"static const lik_cpu::KernelEntry LIK_KERNELS[] = {{\n{table}\n}};\n")  # fmt: skip
+
+
+def build_library(cxx, tmp: Path, names) -> subprocess.Popen:
+    """Starts the CPU build of the variants `names` (tmp/libmetal_cpu.so)."""
+    (tmp / "kernels.inc").write_text(_kernels_inc(names))
+    return subprocess.Popen([*cxx, "-O1", "-shared", "-fPIC", f"-I{tmp}",
+                             str(HARNESS / "driver.cpp"), "-o", str(tmp / "libmetal_cpu.so")],
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def load_library(build: subprocess.Popen, tmp: Path):
+    _, errors = build.communicate()
+    assert build.returncode == 0, errors[-4000:]
+    library = ctypes.CDLL(str(tmp / "libmetal_cpu.so"))
+    library.lik_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.c_long, ctypes.c_long, ctypes.c_char_p,
+                                       ctypes.c_long]  # fmt: skip
+    return library
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Starts both compiles at once (two cores): the syntax check of every generated file,
-    and the CPU library of the executed variants."""
+    """Starts both compiles at once (two cores): the syntax check of every declared
+    variant, and the CPU library of the executed variants."""
     cxx = _compiler()
     tmp = tmp_path_factory.mktemp("metal")
-    (tmp / "syntax.cpp").write_text(
-        '#include "metal_syntax.h"\n' + _namespaced_includes(METAL_NAMES)
-    )
-    (tmp / "kernels.inc").write_text(_kernels_inc(EXECUTED))
+    syntax_tu = '#include "metal_syntax.h"\n' + _namespaced_sources(METAL_NAMES)
+    (tmp / "syntax.cpp").write_text(syntax_tu)
     syntax = subprocess.Popen([*cxx, "-fsyntax-only", str(tmp / "syntax.cpp")],
                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-    library = tmp / "libmetal_cpu.so"
-    build = subprocess.Popen([*cxx, "-O1", "-shared", "-fPIC", f"-I{tmp}",
-                              str(HARNESS / "driver.cpp"), "-o", str(library)],
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    yield {"syntax": syntax, "build": build, "library": library, "cxx": cxx}
+    build = build_library(cxx, tmp, EXECUTED)
+    yield {"syntax": syntax, "build": build, "tmp": tmp, "cxx": cxx}
     for process in (syntax, build):
         if process.poll() is None:
             process.kill()
@@ -131,21 +163,10 @@ def builds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cpu_library(builds):
-    _, errors = builds["build"].communicate()
-    assert builds["build"].returncode == 0, errors[-4000:]
-    library = ctypes.CDLL(str(builds["library"]))
-    library.lik_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
-                                       ctypes.c_long, ctypes.c_long, ctypes.c_char_p,
-                                       ctypes.c_long]  # fmt: skip
-    return library
+    return load_library(builds["build"], builds["tmp"])
 
 
 # --- the fake compile boundary -----------------------------------------------------------
-
-
-def launch_block(name: str) -> dict:
-    text = (GENERATED / "metal" / f"{name}.metal").read_text()
-    return json.loads(re.search(r"/\* launch:\n(.*?)\n\*/", text, re.DOTALL).group(1))
 
 
 def kernel_signatures(source: str) -> dict[str, list[tuple[str, str, int]]]:
@@ -158,63 +179,106 @@ def kernel_signatures(source: str) -> dict[str, list[tuple[str, str, int]]]:
 
 
 class CpuKernel:
-    """One kernel of a fake library: checks a launch against the kernel's signature the
-    way Metal would bind it, then runs it on the CPU build."""
+    """One kernel of a variant's fake library: checks each argument against the kernel's
+    MSL declaration the way torch.mps.compile_shader binds it (a tensor per device
+    pointer, of the variant's dtype for Element; a Python float for `constant float&`, an
+    int for `constant long&`, a list of ints for `constant long*`), then runs it on the
+    CPU build."""
 
-    def __init__(self, library, name, signature, calls):
+    def __init__(self, library, variant, name, signature, calls):
         self.library, self.name, self.signature, self.calls = library, name, signature, calls
+        self.variant = Variant.parse(variant)
+        self.key = launch_key(variant, name).encode()
 
     def __call__(self, *args, threads, group_size):
         self.calls.append((self.name, args, threads, group_size))
         assert len(args) == len(self.signature), f"{self.name}: {len(args)} arguments"
         assert threads % 32 == 0 and 0 < group_size <= 1024 and group_size % 32 == 0
-        keep, pointers = [], []
-        for (decl, arg_name, _), value in zip(self.signature, args, strict=True):
-            keep.append(self._bind(decl, arg_name, value))
-            pointers.append(ctypes.cast(ctypes.pointer(keep[-1]), ctypes.c_void_p)
-                            if isinstance(keep[-1], ctypes.c_long) else keep[-1])  # fmt: skip
-        argv = (ctypes.c_void_p * len(pointers))(*pointers)
+        kept = [self._bind(decl, name, value)
+                for (decl, name, _), value in zip(self.signature, args, strict=True)]  # fmt: skip
+        argv = (ctypes.c_void_p * len(kept))(*(self._pointer(k) for k in kept))
         error = ctypes.create_string_buffer(4096)
-        rc = self.library.lik_cpu_launch(self.name.encode(), argv, threads, group_size, error, 4096)
+        rc = self.library.lik_cpu_launch(self.key, argv, threads, group_size, error, 4096)
         assert rc == 0, error.value.decode()
 
-    def _bind(self, decl, arg_name, value):
-        if decl.endswith("&"):  # constant long&: a Python int, bound as int64
-            assert type(value) is int, f"{self.name}: {arg_name} must be an int, got {value!r}"
+    @staticmethod
+    def _pointer(kept):
+        """The void* the driver reads: a buffer as is, a scalar or an array by address."""
+        if isinstance(kept, ctypes.c_void_p):
+            return kept
+        if isinstance(kept, torch.Tensor):
+            return ctypes.c_void_p(kept.data_ptr())
+        if isinstance(kept, ctypes.c_long | ctypes.c_float):
+            kept = ctypes.pointer(kept)
+        return ctypes.cast(kept, ctypes.c_void_p)
+
+    def _bind(self, decl, name, value):
+        where = f"{self.name}: {name}"
+        if decl == "constant float&":
+            assert type(value) is float, f"{where} must be a float, got {value!r}"
+            return ctypes.c_float(value)
+        if decl == "constant long&":
+            assert type(value) is int, f"{where} must be an int, got {value!r}"
             return ctypes.c_long(value)
+        if decl == "constant long*":
+            assert isinstance(value, list) and all(type(v) is int for v in value), where
+            return (ctypes.c_long * len(value))(*value)
+        assert isinstance(value, torch.Tensor), f"{where} is not a tensor"
+        if name in MASK_SLOTS and not getattr(self.variant.mask, MASK_SLOTS[name]):
+            # An absent mask: any valid buffer binds (the runtime passes Q or D). The CPU
+            # build reads zeros instead, so a kernel that read it would mask every token.
+            return torch.zeros(value.untyped_storage().nbytes(), dtype=torch.uint8)
         element = decl.split()[-1].rstrip("*")
-        assert isinstance(value, torch.Tensor), f"{self.name}: {arg_name} is not a tensor"
-        assert value.dtype == MSL_DTYPE[element], f"{self.name}: {arg_name} is {value.dtype}"
+        dtype = torch_dtype(self.variant.dtype) if element == "Element" else MSL_DTYPE[element]
+        assert value.dtype == dtype, f"{where} is {value.dtype}, not {element} ({dtype})"
         return ctypes.c_void_p(value.data_ptr())
 
 
 class CpuLibrary:
+    """The fake compile_shader's library of one variant: the source names the variant in
+    its preamble's first line."""
+
     def __init__(self, library, source, calls):
-        self._kernels = {name: CpuKernel(library, name, signature, calls)
+        variant = re.match(r"// variant: (\w+)\n", source).group(1)
+        self.variant = variant
+        self._kernels = {name: CpuKernel(library, variant, name, signature, calls)
                          for name, signature in kernel_signatures(source).items()}  # fmt: skip
 
     def __getattr__(self, name):
         return self._kernels[name]
 
 
-@pytest.fixture
-def fake_mps(cpu_library, monkeypatch):
+def install_fake_compiler(cpu_library, monkeypatch):
     """lik.runtime.metal with CPU tensors treated as MPS ones and compile_shader replaced by
-    the CPU build. Yields the list of launches and the list of compiled variants."""
+    the CPU build. Returns the list of launches and the list of compiled variants."""
     calls, compiled = [], []
 
     def compile_shader(source):
-        compiled.append(re.search(r"^// variant: (\w+)", source, re.MULTILINE).group(1))
-        return CpuLibrary(cpu_library, source, calls)
+        library = CpuLibrary(cpu_library, source, calls)
+        compiled.append(library.variant)
+        return library
 
     monkeypatch.setattr(metal, "compile_shader", compile_shader)
     monkeypatch.setattr(metal, "handles", lambda device: True)
     monkeypatch.setattr(metal, "_compiled", {})
     monkeypatch.setattr(metal, "_failures", {})
+    return calls, compiled
+
+
+@pytest.fixture
+def fake_mps(cpu_library, monkeypatch):
+    """The fake compiler (install_fake_compiler), backend chosen per call. Yields the list
+    of launches and the list of compiled variants."""
+    calls, compiled = install_fake_compiler(cpu_library, monkeypatch)
     monkeypatch.delenv(metal.FORCE_ENV, raising=False)
     metal._compiled_reference.cache_clear()
     yield calls, compiled
     metal._compiled_reference.cache_clear()
+
+
+def kernel_of(name: str) -> str:
+    """The structural kernel (generated file) a variant compiles from."""
+    return registry.entry(name)["kernel"]
 
 
 # --- inputs and the float64 ground truth --------------------------------------------------
@@ -263,14 +327,14 @@ def reference_argmax(layout, Q, D, q_mask, d_mask, normalize):
 
 
 def parse(name):
-    tokens = name.split("_")
+    v = Variant.parse(name)
     return {
-        "layout": tokens[1],
-        "has_q_mask": tokens[2] in ("qmask", "qdmask"),
-        "has_d_mask": tokens[2] in ("dmask", "qdmask"),
-        "dtype": TORCH_DTYPE[tokens[3]],
-        "normalize": "norm" in tokens,
-        "train": tokens[-1] == "lowmem",
+        "layout": v.layout.value,
+        "has_q_mask": v.mask.has_q,
+        "has_d_mask": v.mask.has_d,
+        "dtype": torch_dtype(v.dtype),
+        "normalize": v.normalize,
+        "train": v.backward is not Backward.NONE,
     }
 
 
@@ -282,10 +346,62 @@ def fp32_bound(dtype):
 # --- (a) syntax and type check of every generated file ------------------------------------
 
 
-def test_every_generated_metal_file_compiles_against_the_declared_surface(builds):
+def test_every_declared_metal_variant_compiles_against_the_declared_surface(builds):
     _, errors = builds["syntax"].communicate()
     assert builds["syntax"].returncode == 0, errors[-4000:]
     assert METAL_NAMES
+
+
+def test_one_file_per_structural_kernel():
+    files = sorted(p.name for p in (GENERATED / "metal").glob("*.metal"))
+    kernel_files = [Path(registry.kernels()[k]["file"]).name for k in METAL_KERNELS]
+    assert files == sorted([*kernel_files, Path(COMMON_PATH).name])  # and one shared module
+    assert len(files) <= 20 < len(METAL_NAMES)
+    for name in METAL_NAMES:  # a variant is its kernel's file and its values
+        v = Variant.parse(name)
+        assert kernel_of(name) == v.kernel.name
+        assert registry.entry(name)["values"] == v.values()
+
+
+def test_variants_of_one_kernel_differ_in_their_preamble_only():
+    a, b = "maxsim_dense_qdmask_fp32_metal_norm_lowmem", "maxsim_dense_nomask_bf16_metal_lowmem"
+    assert kernel_of(a) == kernel_of(b)
+    text = kernel_text(kernel_of(a))
+    head_a, head_b = metal.source(a).removesuffix(text), metal.source(b).removesuffix(text)
+    assert head_a != head_b and metal.source(a) == head_a + text
+    # Both compile the same common module in between, each file after its own #line.
+    shared = f'#line 1 "{COMMON_PATH}"\n{COMMON_TEXT}#line 1 "{registry.kernel_file(a)}"\n'
+    assert head_a.endswith(shared) and head_b.endswith(shared)
+    assert "constant constexpr bool HAS_Q_MASK = true;" in head_a
+    assert "constant constexpr bool HAS_Q_MASK = false;" in head_b
+    assert "typedef float Element;" in head_a and "typedef ushort Element;" in head_b
+
+
+def test_a_kernel_file_needs_its_preamble(builds, tmp_path):
+    # The values are the preamble's: the file alone names constants nothing defines.
+    alone = tmp_path / "alone.cpp"
+    alone.write_text('#include "metal_syntax.h"\n' + kernel_text(kernel_of(EXECUTED[0])))
+    run = subprocess.run([*builds["cxx"], "-fsyntax-only", str(alone)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode != 0 and "NORMALIZE" in run.stderr
+
+
+def test_compiler_messages_name_the_file_and_line(builds, tmp_path):
+    # metal.source puts a #line before the common module and before the kernel's file, so
+    # an error points at the generated file's own line, whichever file it is in.
+    name = EXECUTED[0]
+    text = metal.source(name)
+    for path, file_text, old in [(COMMON_PATH, COMMON_TEXT, "return src[i];"),
+                                 (registry.kernel_file(name), kernel_text(kernel_of(name)),
+                                  "const long unit")]:  # fmt: skip
+        line = file_text[: file_text.index(old)].count("\n") + 1
+        broken = tmp_path / "broken.cpp"
+        broken.write_text(
+            '#include "metal_syntax.h"\n' + text.replace(old, "undeclared; " + old, 1)
+        )
+        run = subprocess.run([*builds["cxx"], "-fsyntax-only", str(broken)],
+                             capture_output=True, text=True)  # fmt: skip
+        assert run.returncode != 0 and f"{path}:{line}:" in run.stderr, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -296,7 +412,7 @@ def test_every_generated_metal_file_compiles_against_the_declared_surface(builds
     ids=["undeclared-builtin", "threadgroup-memory", "unused-variable"],
 )  # fmt: skip
 def test_syntax_check_rejects_a_broken_kernel(builds, tmp_path, old, new):
-    text = (GENERATED / "metal" / f"{EXECUTED[0]}.metal").read_text()
+    text = metal.source(EXECUTED[0])
     assert old in text
     broken = tmp_path / "broken.cpp"
     broken.write_text('#include "metal_syntax.h"\n' + text.replace(old, new, 1))
@@ -310,22 +426,52 @@ FORBIDDEN = re.compile(r"\b(double|threadgroup|std::|printf|goto)\b")
 
 
 def _code(text: str) -> str:
-    """The MSL body without comments."""
-    body = text.split("#include <metal_stdlib>", 1)[1]
-    return re.sub(r"//[^\n]*|/\*.*?\*/", "", body, flags=re.DOTALL)
+    """The MSL code without comments (the header and the launch block are comments)."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.DOTALL)
 
 
-@pytest.mark.parametrize("name", METAL_NAMES)
-def test_generated_metal_uses_known_attributes_and_numbered_buffers(name):
-    text = (GENERATED / "metal" / f"{name}.metal").read_text()
+@pytest.mark.parametrize("kernel", METAL_KERNELS)
+def test_generated_metal_uses_known_attributes_and_numbered_buffers(kernel):
+    text = kernel_text(kernel)
     attributes = set(re.findall(r"\[\[(\w+)", text))
     assert attributes <= ATTRIBUTES, attributes - ATTRIBUTES
     assert not FORBIDDEN.search(_code(text))
-    block = launch_block(name)
+    block = metal.launch_block(text)
     for kernel, signature in kernel_signatures(text).items():
         (spec,) = [k for k in block["kernels"].values() if k["name"] == kernel]
         assert [index for *_, index in signature] == list(range(len(signature)))
         assert [arg for _, arg, _ in signature] == [entry[0] for entry in spec["args"]]
+
+
+def test_the_common_module_holds_the_helpers_once():
+    # Helpers and constants live in generated/metal/common.metal only: no kernel file
+    # defines them again, and the module itself defines no kernel and no launch block.
+    code = _code(COMMON_TEXT)
+    assert "kernel void" not in code and "/* launch:" not in COMMON_TEXT
+    assert not FORBIDDEN.search(code) and not re.findall(r"\[\[(\w+)", code)
+    defined = re.findall(r"^inline \w+ (\w+)\(|^constant constexpr \w+ (\w+) =", code, re.M)
+    names = {a or b for a, b in defined}
+    assert {"load_element", "load_fragment", "load_row", "SIMD_WIDTH", "NORM_EPS"} <= names
+    for kernel in METAL_KERNELS:
+        text = _code(kernel_text(kernel))
+        assert "#include" not in text, kernel
+        for helper in names:
+            assert not re.search(rf"^(inline \w+|constant constexpr \w+) {helper}\b", text,
+                                 re.M), (kernel, helper)  # fmt: skip
+
+
+def test_hand_edited_common_module_is_refused(monkeypatch, tmp_path):
+    name = METAL_NAMES[0]
+    path = registry.kernel_file(name)
+    (tmp_path / "metal").mkdir()
+    (tmp_path / path).write_text((GENERATED / path).read_text())
+    (tmp_path / COMMON_PATH).write_text(COMMON_TEXT.replace("NORM_EPS)", "1e-6f)", 1))
+    monkeypatch.setattr(registry.importlib.resources, "files", lambda package: tmp_path)
+    with pytest.raises(registry.GeneratedFileError, match=r"common\.metal.*edited by hand"):
+        metal.source(name)
+    (tmp_path / COMMON_PATH).unlink()
+    with pytest.raises(registry.GeneratedFileError, match=r"common\.metal.*missing"):
+        metal.source(name)
 
 
 # --- (b) kernels on the CPU against the float64 reference ---------------------------------
@@ -435,7 +581,8 @@ def test_training_through_the_api_runs_the_metal_kernels(fake_mps, monkeypatch, 
     grad_out = torch.randn(scores.shape)
     scores.backward(grad_out)
     assert compiled == [name], "Metal has one backward strategy: unified runs it too"
-    assert [c[0] for c in calls] == [f"{name}_forward", f"{name}_grad_q", f"{name}_grad_d"]
+    kernel = kernel_of(name)
+    assert [c[0] for c in calls] == [f"{kernel}_forward", f"{kernel}_grad_q", f"{kernel}_grad_d"]
     Q64, D64 = Q.detach().double().requires_grad_(), D.detach().double().requires_grad_()
     fn = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
     ref = fn(Q64, D64, q_mask, d_mask, normalize=v["normalize"])
@@ -450,11 +597,14 @@ def test_launch_grid_and_scalar_arguments(fake_mps):
     Q, D, _, _ = make_inputs("dense", torch.float32, 5, 7, 16, 20, 24, False, False)
     api.maxsim(Q, D)
     ((kernel, args, threads, group_size),) = calls
-    assert kernel == "maxsim_dense_nomask_fp32_metal_forward"
+    assert kernel == "maxsim_dense_metal_forward"
     assert threads == 5 * 7 * 32 and group_size == 128  # one simdgroup per (query, doc) pair
-    assert args[0] is Q and args[1] is D and args[2].shape == (5, 7)
-    assert args[3:7] == (5, 16, 20, 24)  # Nq, Lq, Ld, dim
-    assert args[7:] == Q.stride() + D.stride() + args[2].stride()
+    # No masks: their slots take Q and D (with their strides), which the kernel never reads.
+    assert args[0] is Q and args[1] is D and args[2] is Q and args[3] is D
+    out = args[4]
+    assert out.shape == (5, 7)
+    assert args[5:9] == (5, 16, 20, 24)  # Nq, Lq, Ld, dim
+    assert args[9:] == Q.stride() + D.stride() + Q.stride()[:2] + D.stride()[:2] + out.stride()
 
 
 def test_grad_launch_grids(fake_mps):
@@ -463,7 +613,9 @@ def test_grad_launch_grids(fake_mps):
     Q.requires_grad_()
     api.maxsim(Q, D, None, d_mask).sum().backward()
     grids = {kernel: (threads, group_size) for kernel, _, threads, group_size in calls}
-    name = "maxsim_kd_dmask_fp16_metal_lowmem"
+    name = kernel_of(variant_name("kd", False, True, False, torch.float16, target="metal",
+                                  backward="lowmem"))  # fmt: skip
+    assert name == "maxsim_kd_metal_lowmem"
     assert grids[f"{name}_forward"] == (3 * 2 * 32, 128)  # one simdgroup per (query, doc)
     assert grids[f"{name}_grad_q"] == (3 * 16 * 32, 128)  # one per query token
     assert grids[f"{name}_grad_d"] == (3 * 2 * 48 * 32, 128)  # one per doc token
@@ -555,9 +707,10 @@ def test_mps_devices_route_to_metal():
 
 def test_hand_edited_metal_source_is_refused(monkeypatch, tmp_path):
     name = METAL_NAMES[0]
+    path = registry.kernel_file(name)
     (tmp_path / "metal").mkdir()
-    text = (GENERATED / "metal" / f"{name}.metal").read_text()
-    (tmp_path / "metal" / f"{name}.metal").write_text(text.replace("total", "sum", 1))
-    monkeypatch.setattr(metal.importlib.resources, "files", lambda package: tmp_path)
+    text = (GENERATED / path).read_text()
+    (tmp_path / path).write_text(text.replace("total", "sum", 1))
+    monkeypatch.setattr(registry.importlib.resources, "files", lambda package: tmp_path)
     with pytest.raises(registry.GeneratedFileError, match="edited by hand"):
         metal.source(name)

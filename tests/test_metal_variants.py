@@ -1,6 +1,6 @@
 """Hooked token scores (weighted, smooth, top-k mean) on Metal, without a Mac.
 
-The syntax check of every generated .metal file (tests/test_metal.py) covers these
+The syntax check of every declared Metal variant (tests/test_metal.py) covers these
 variants too. Here a few of them run on the CPU build of the Metal surface
 (tests/metal/metal_cpu.h: the 32 lanes of a simdgroup in lockstep), reached through the
 public lik.runtime.variants functions with only torch.mps.compile_shader replaced, and are
@@ -11,22 +11,27 @@ Nothing here runs on Apple hardware or says anything about its speed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import re
-import subprocess
 
 import pytest
 import torch
 from helpers import TOLERANCE, relative_error
-from test_metal import HARNESS, MSL_DTYPE, _compiler, _kernels_inc, kernel_signatures
+from test_metal import (
+    _compiler,
+    build_library,
+    install_fake_compiler,
+    kernel_of,
+    load_library,
+    torch_dtype,
+)
 
-from lik.runtime import metal, variants
+from lik.runtime import metal, registry, variants
+from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_scored_reference
-from lik_gen.ir import Score, Variant
+from lik_gen.ir import Backward, Mask, Score, Target, Variant
 from lik_gen.plan_metal import MAX_BUFFERS, plan_metal
 
 # Every score, layout, dtype, normalize and backward value, and both argument forms
-# (strides one by one, and packed into one array: the weighted, masked backwards).
+# (strides one by one, and packed into one array: the weighted backwards).
 EXECUTED = (
     "maxsim_dense_qdmask_fp32_metal_norm_lowmem_weighted",
     "maxsim_pairs_qdmask_fp32_metal_lowmem_weighted",
@@ -37,8 +42,6 @@ EXECUTED = (
     "maxsim_dense_nomask_fp32_metal_lowmem_topkmean",
     "maxsim_dense_nomask_fp32_metal_topkmean",
 )
-SCORE_OF = {"weighted": "weighted", "smooth": "smooth", "topkmean": "topk_mean"}
-TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The CPU build computes in fp32 exactly as written; half inputs and gradients are bound
 # by DESIGN.md's 1e-2.
 FP32_FORWARD, FP32_GRAD = 1e-5, 1e-4
@@ -49,73 +52,8 @@ FP32_FORWARD, FP32_GRAD = 1e-5, 1e-4
 
 @pytest.fixture(scope="module")
 def cpu_library(tmp_path_factory):
-    cxx = _compiler()
     tmp = tmp_path_factory.mktemp("metal_scored")
-    (tmp / "kernels.inc").write_text(_kernels_inc(EXECUTED))
-    library = tmp / "libmetal_scored.so"
-    build = subprocess.run([*cxx, "-O1", "-shared", "-fPIC", f"-I{tmp}",
-                            str(HARNESS / "driver.cpp"), "-o", str(library)],
-                           capture_output=True, text=True)  # fmt: skip
-    assert build.returncode == 0, build.stderr[-4000:]
-    lib = ctypes.CDLL(str(library))
-    lib.lik_cpu_launch.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
-                                   ctypes.c_long, ctypes.c_char_p, ctypes.c_long]  # fmt: skip
-    return lib
-
-
-class CpuKernel:
-    """One kernel of the fake library: checks each argument against the kernel's MSL
-    declaration the way torch.mps.compile_shader binds it (a tensor per device pointer, a
-    Python float for `constant float&`, an int for `constant long&`, a list of ints for
-    `constant long*`), then runs it on the CPU build."""
-
-    def __init__(self, library, name, signature, calls):
-        self.library, self.name, self.signature, self.calls = library, name, signature, calls
-
-    def __call__(self, *args, threads, group_size):
-        self.calls.append((self.name, args, threads, group_size))
-        assert len(args) == len(self.signature), f"{self.name}: {len(args)} arguments"
-        assert threads % 32 == 0 and 0 < group_size <= 1024 and group_size % 32 == 0
-        kept = [self._bind(decl, name, value)
-                for (decl, name, _), value in zip(self.signature, args, strict=True)]  # fmt: skip
-        argv = (ctypes.c_void_p * len(kept))(*(self._pointer(k) for k in kept))
-        error = ctypes.create_string_buffer(4096)
-        rc = self.library.lik_cpu_launch(self.name.encode(), argv, threads, group_size, error, 4096)
-        assert rc == 0, error.value.decode()
-
-    @staticmethod
-    def _pointer(kept):
-        """The void* the driver reads: a buffer as is, a scalar or an array by address."""
-        if isinstance(kept, ctypes.c_void_p):
-            return kept
-        if isinstance(kept, ctypes.c_long | ctypes.c_float):
-            kept = ctypes.pointer(kept)
-        return ctypes.cast(kept, ctypes.c_void_p)
-
-    def _bind(self, decl, name, value):
-        where = f"{self.name}: {name}"
-        if decl == "constant float&":
-            assert type(value) is float, f"{where} must be a float, got {value!r}"
-            return ctypes.c_float(value)
-        if decl == "constant long&":
-            assert type(value) is int, f"{where} must be an int, got {value!r}"
-            return ctypes.c_long(value)
-        if decl == "constant long*":
-            assert isinstance(value, list) and all(type(v) is int for v in value), where
-            return (ctypes.c_long * len(value))(*value)
-        element = decl.split()[-1].rstrip("*")
-        assert isinstance(value, torch.Tensor), f"{where} is not a tensor"
-        assert value.dtype == MSL_DTYPE[element], f"{where} is {value.dtype}, not {element}"
-        return ctypes.c_void_p(value.data_ptr())
-
-
-class CpuLibrary:
-    def __init__(self, library, source, calls):
-        self._kernels = {name: CpuKernel(library, name, signature, calls)
-                         for name, signature in kernel_signatures(source).items()}  # fmt: skip
-
-    def __getattr__(self, name):
-        return self._kernels[name]
+    return load_library(build_library(_compiler(), tmp, EXECUTED), tmp)
 
 
 @pytest.fixture
@@ -123,18 +61,14 @@ def fake_mps(cpu_library, monkeypatch):
     """CPU tensors routed like MPS ones, torch.mps.compile_shader replaced by the CPU build,
     and the Metal path forced (the tiny shapes here would run the eager reference).
     Yields the launches and the compiled variants."""
-    calls, compiled = [], []
-
-    def compile_shader(source):
-        compiled.append(re.search(r"^// variant: (\w+)", source, re.MULTILINE).group(1))
-        return CpuLibrary(cpu_library, source, calls)
-
-    monkeypatch.setattr(metal, "compile_shader", compile_shader)
-    monkeypatch.setattr(metal, "handles", lambda device: True)
-    monkeypatch.setattr(metal, "_compiled", {})
-    monkeypatch.setattr(metal, "_failures", {})
+    calls, compiled = install_fake_compiler(cpu_library, monkeypatch)
     monkeypatch.setenv(metal.FORCE_ENV, "metal")
     yield calls, compiled
+
+
+def scored_name(score, *, masked=False, dtype=torch.float32, normalize=False, train=False):
+    return variant_name("dense", masked, masked, normalize, dtype, target="metal",
+                        backward="lowmem" if train else "none", score=score)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -156,14 +90,14 @@ def poisoned_outputs(monkeypatch):
 
 
 def parse(name):
-    tokens = name.split("_")
+    v = Variant.parse(name)
     return {
-        "layout": tokens[1],
-        "masked": tokens[2] == "qdmask",
-        "dtype": TORCH_DTYPE[tokens[3]],
-        "normalize": "norm" in tokens,
-        "train": "lowmem" in tokens,
-        "score": SCORE_OF[tokens[-1]],
+        "layout": v.layout.value,
+        "masked": v.mask is Mask.QD,
+        "dtype": torch_dtype(v.dtype),
+        "normalize": v.normalize,
+        "train": v.backward is not Backward.NONE,
+        "score": v.score.value,
     }
 
 
@@ -260,7 +194,7 @@ def test_matches_float64_reference(fake_mps, monkeypatch, name, shape):
     _, grad_d = check(v, Q, D, q_mask, d_mask, params, monkeypatch, name=name)
     assert compiled == [name]
     roles = ["forward", "grad_q", "grad_d"] if v["train"] else ["forward"]
-    assert [c[0] for c in calls] == [f"{name}_{role}" for role in roles]
+    assert [c[0] for c in calls] == [f"{kernel_of(name)}_{role}" for role in roles]
     if v["masked"] and v["train"]:
         assert (grad_d[0] == 0).all(), "a fully masked doc takes no gradient"
 
@@ -269,8 +203,9 @@ def test_matches_float64_reference(fake_mps, monkeypatch, name, shape):
 def test_topk_mean_k_not_a_power_of_two_and_above_the_valid_tokens(fake_mps, monkeypatch, k):
     # k = 5: an odd count of slots; k = 16 > Ld = 13: the mean runs over the tokens there
     # are; k = 1 is MaxSim. The masked variant also has a fully masked doc.
-    for name in ("maxsim_dense_nomask_fp32_metal_lowmem_topkmean",
-                 "maxsim_dense_qdmask_bf16_metal_norm_lowmem_topkmean"):  # fmt: skip
+    for name in (scored_name("topk_mean", train=True),
+                 scored_name("topk_mean", masked=True, dtype=torch.bfloat16, normalize=True,
+                             train=True)):  # fmt: skip
         v = parse(name)
         Q, D, q_mask, d_mask, params = make_inputs(v, 2, 3, 9, 13, 16, seed=k, k=k)
         check(v, Q, D, q_mask, d_mask, params, monkeypatch, name=f"{name} k={k}")
@@ -304,8 +239,7 @@ def test_weighted_ties_go_to_the_earliest_doc_token(fake_mps):
 
 @pytest.mark.parametrize("score", ["smooth", "topk_mean"])
 def test_non_finite_inputs_never_score_finite(fake_mps, score):
-    name = f"maxsim_dense_nomask_fp32_metal_{score.replace('_', '')}"
-    v = parse(name)
+    v = parse(scored_name(score))
     Q, D, _, _, params = make_inputs(v, 2, 3, 5, 13, 8)
     D[1, 6, 0] = float("nan")
     out = call(v, Q, D, None, None, params)
@@ -355,11 +289,12 @@ def test_backward_is_bitwise_reproducible(fake_mps):
 
 def test_launch_grids_and_scalar_parameters(fake_mps):
     calls, _ = fake_mps
-    v = parse("maxsim_dense_nomask_fp32_metal_lowmem_topkmean")
+    v = parse(scored_name("topk_mean", train=True))
     Q, D, _, _, _ = make_inputs(v, 3, 2, 16, 48, 24)
     Q.requires_grad_()
     variants.maxsim_topk_mean(Q, D, k=3).sum().backward()
-    name = "maxsim_dense_nomask_fp32_metal_lowmem_topkmean"
+    name = kernel_of(scored_name("topk_mean", train=True))
+    assert name == "maxsim_dense_metal_lowmem_topkmean"
     grids = {kernel: (threads, group) for kernel, _, threads, group in calls}
     assert grids[f"{name}_forward"] == (3 * 2 * 32, 128)  # one simdgroup per (query, doc)
     assert grids[f"{name}_grad_q"] == (3 * 16 * 32, 128)  # one per query token
@@ -431,13 +366,12 @@ def test_forced_metal_outside_its_envelope_raises(fake_mps):
 
 
 def test_every_scored_metal_kernel_fits_metal_argument_table():
-    from lik.runtime import registry
-
-    names = [n for n in registry.names() if "_metal" in n and Variant.parse(n).score != Score.MAX]
-    assert len(names) == 144
+    declared = [Variant.parse(n) for n in registry.names()]
+    kernels = {v.kernel for v in declared if v.target is Target.METAL and v.score != Score.MAX}
+    assert len(kernels) == 12  # dense and pairs, three scores, forward and training
     packed = 0
-    for name in names:
-        ctx = plan_metal(Variant.parse(name))
+    for kernel in kernels:
+        ctx = plan_metal(kernel)
         for kernel in (ctx.forward, ctx.grad_q, ctx.grad_d):
             if kernel is None:
                 continue

@@ -683,14 +683,18 @@ def test_varlen_reference_matches_padded():
 def test_residual_plan_refuses_what_it_cannot_build():
     from lik_gen.ir import Backward, Decompression, DType, Layout, Mask, Op, Target
     from lik_gen.plan import PlanError, plan
+    from lik_gen.spec import CONTRADICTIONS
 
     base = Variant(Op.MAXSIM, Layout.DENSE, Mask.NONE, DType.FP16, Target.TRITON, normalize=True,
                    decompression=Decompression.RESIDUAL2)  # fmt: skip
-    assert plan(base).doc_tile_hook.endswith("residual.py.j2") and plan(base).nbits == 2
-    for bad, message in (
+    ctx = plan(base.kernel)
+    assert ctx.doc.hook.endswith("residual.py.j2") and ctx.doc.nbits == 2
+    with pytest.raises(PlanError, match="dense and varlen"):  # a kernel that has no template
+        plan(Variant(**{**base.__dict__, "layout": Layout.KD}).kernel)
+    for bad, message in (  # values no residual kernel takes: refused where declared
         ({"backward": Backward.UNIFIED}, "forward only"),
         ({"mask": Mask.D}, "not masks"),
-        ({"layout": Layout.KD}, "dense or varlen"),
+        ({"dtype": DType.FP8E4M3}, "forward only"),
     ):
-        with pytest.raises(PlanError, match=message):
-            plan(Variant(**{**base.__dict__, **bad}))
+        variant = Variant(**{**base.__dict__, **bad})
+        assert any(message in why for test, why in CONTRADICTIONS if test(variant)), bad

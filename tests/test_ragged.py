@@ -289,7 +289,7 @@ def test_distinct_maxima_share_one_kernel_entry():
     dispatch._configs.clear()
     dispatch._call_configs.clear()
     variant = "maxsim_varlen_nomask_fp32_triton"
-    kernel = getattr(registry.load(variant), f"{variant}_fwd_kernel")
+    kernel = registry.load(variant).maxsim_varlen_triton_fwd_kernel
     compiled = _compiled_kernels(kernel)  # other tests of this process may have compiled some
     for longest in (17, 20, 23, 29, 31):
         Q, D, cu_q, cu_d = _batch(longest, 2, 2, max_len=longest)

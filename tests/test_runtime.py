@@ -126,7 +126,7 @@ def test_hand_edited_generated_file_is_refused():
     import importlib.resources
 
     name = "maxsim_dense_nomask_fp32_triton"
-    (path,) = registry.manifest()[name]["files"]
+    path = registry.kernel_file(name)
     text = (importlib.resources.files("lik.generated") / path).read_text()
     registry.verify_text(name, path, text)  # the committed file passes
     edited = text.replace("BLOCK_L: tl.constexpr", "BLOCK_L: tl.constexpr = 64")
@@ -135,6 +135,48 @@ def test_hand_edited_generated_file_is_refused():
         registry.verify_text(name, path, edited)
     with pytest.raises(registry.GeneratedFileError):
         registry.verify_text(name, path, text.replace("# body-sha256:", "# body:"))
+
+
+def test_an_edit_that_rewrites_the_header_hash_is_still_refused():
+    # The manifest records every file's own hash: a body edit that also recomputes the
+    # header's body hash still differs from it.
+    import hashlib
+    import importlib.resources
+    import re
+
+    name = "maxsim_dense_nomask_fp32_triton"
+    path = registry.kernel_file(name)
+    text = (importlib.resources.files("lik.generated") / path).read_text()
+    head, body = text.split("\n\n", 1)
+    body = body.replace("row_max(best, sim, TOKEN_ROWS)", "tl.max(sim, axis=1)", 1)
+    head = re.sub(
+        r"body-sha256: [0-9a-f]{64}",
+        "body-sha256: " + hashlib.sha256(body.encode()).hexdigest(),
+        head,
+    )
+    forged = head + "\n\n" + body
+    assert forged != text
+    with pytest.raises(registry.GeneratedFileError, match="MANIFEST.json"):
+        registry.verify_text(name, path, forged)
+
+
+def test_a_missing_generated_file_names_itself_and_the_fix(monkeypatch):
+    import importlib.resources
+
+    name = "maxsim_dense_nomask_fp32_triton"
+
+    class EmptyPackage:
+        def __truediv__(self, child):
+            def missing(self):
+                raise FileNotFoundError(child)
+
+            return type("File", (), {"read_text": missing})()
+
+    monkeypatch.setattr(importlib.resources, "files", lambda package: EmptyPackage())
+    with pytest.raises(
+        registry.GeneratedFileError, match=r"maxsim_dense_triton\.py.*missing.*make generate"
+    ):
+        registry.read_verified(name)
 
 
 def test_unknown_variant_names_say_how_to_add_one():

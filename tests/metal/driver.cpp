@@ -1,7 +1,9 @@
 // The C entry point of the CPU execution harness. test_metal.py writes kernels.inc (the
-// generated variants under test, each in its own namespace, and LIK_KERNELS, a table of
-// their kernels), builds this file into a shared library and calls lik_cpu_launch through
-// ctypes with the same arguments, in the same order, that Metal would receive.
+// variants under test, each one's source (lik.runtime.metal's preamble, the shared
+// metal/common.metal, then its kernel's generated file) in a namespace of its own, and
+// LIK_KERNELS, a table of their kernels named "<variant>/<kernel>"), builds this file
+// into a shared library and calls lik_cpu_launch through ctypes with the same arguments,
+// in the same order, that Metal would receive.
 // (kernel, device, constant and thread are macros here, as in metal_cpu.h: no identifier
 // may use them.)
 #include "metal_cpu.h"

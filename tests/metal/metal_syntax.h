@@ -1,8 +1,9 @@
 // The Metal Shading Language surface that templates/metal/ uses, declared for a C++17
-// compiler, so that every generated .metal file can be syntax- and type-checked without a
-// Mac (g++ -fsyntax-only, see tests/test_metal.py). Only what the templates use is here:
-// a kernel that reaches for anything else fails the check. metal_cpu.h adds the
-// definitions that run the kernels on the CPU.
+// compiler, so that every declared Metal variant (lik.runtime.metal's preamble, then the
+// shared generated metal/common.metal, then its kernel's generated .metal file) can be
+// syntax- and type-checked without a Mac (g++ -fsyntax-only, see tests/test_metal.py).
+// Only what the templates use is here: a kernel that reaches for anything else fails the
+// check. metal_cpu.h adds the definitions that run the kernels on the CPU.
 //
 // What the check cannot see, and how the tests cover it:
 //  - address spaces (device, constant, thread) vanish here, so a pointer passed across
