@@ -44,7 +44,6 @@ from lik_gen.plan_base import (
     routes_grad_d,
     streams_docs,
     total_d,
-    trains_dense,
     uncompressed_docs,
 )
 from lik_gen.plan_plaid import RESIDUAL_BITS, residual_docs
@@ -139,14 +138,13 @@ class RenderContext:
     scaled: bool = False
     # Each dense forward program walks DOCS_PER_PROGRAM docs in one flat (doc, tile) loop.
     doc_stream: bool = False
-    # Every doc holds Ld tokens and no doc mask: the forward takes EVEN_LD (BLOCK_L divides
-    # Ld, chosen per call) and then masks no doc token.
-    even_tiles: bool = False
+    # The launcher's EVEN_LD: BLOCK_L divides Ld, for docs that all hold Ld tokens (padded,
+    # uncompressed); "False" where docs end at their own lengths. Without a doc mask the
+    # forward then masks no doc token.
+    even_ld: str = "False"
     # The forward may score a doc's partial last tile after its whole ones (streamed dense
     # inference, and the dense training forward): it takes TAIL_L, that tile's width.
     peels_tail: bool = False
-    # The dense training forward may keep its argmax per tile column (COLUMN_ARGMAX).
-    column_argmax: bool = False
     # The lowmem grad_D multiplies only the query tokens a route pass listed per (doc,
     # tile) (dense: every query scores every doc); fp16 scales g per step of rows.
     routed_grad_d: bool = False
@@ -195,8 +193,7 @@ class RenderContext:
                 "PEEL_TAIL=config.peel_tail",
             ]
         options += [f"{name}={DOC_TILE_CONSTEXPRS[name]}" for name in self.doc_tile_constexprs]
-        if self.even_tiles:
-            options.append("EVEN_LD=Ld % config.block_l == 0")
+        options.append(f"EVEN_LD={self.even_ld}")
         if self.doc_stream:  # peels only when the call's config says so
             tail = "tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l"
             options.append(f"TAIL_L={tail}")
@@ -204,7 +201,7 @@ class RenderContext:
             options.append("TAIL_L=tail_tile(Ld, config.block_l)")
         if self.scaled:
             options.append("D_SCALE_PER_TOKEN=scale_D.stride(-1) != 0 and Ld > 1")
-        if self.column_argmax:
+        if self.save_argmax and self.peels_tail:  # masked docs have no whole tiles
             options.append("COLUMN_ARGMAX=config.column_argmax and d_mask is None")
         return (*options, *self.score.options)
 
@@ -426,9 +423,8 @@ def plan_triton(kernel: Kernel) -> RenderContext:
         score=score,
         scaled=plan_fp8.is_scaled(variant),
         doc_stream=streams_docs(variant),
-        even_tiles=has_even_tiles(variant),
+        even_ld="Ld % config.block_l == 0" if has_even_tiles(variant) else "False",
         peels_tail=peels_tail(variant),
-        column_argmax=trains_dense(variant),
         routed_grad_d=routed,
         bwd_route_args=args["bwd_route"] if routed else (),
         bwd_route_dynamic=KERNEL_SIZES["bwd_route"][variant.layout] if routed else (),

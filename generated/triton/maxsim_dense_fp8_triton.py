@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": true, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7d799bff65437644531fbbb6c39908d6f8c6ca8d0b9e3c9b8b1b2b60241e6942
+# body-sha256: af71a8277f2126f8fdcbccc986cefd61b44c23b5dd045f742d146f73eaa53ff6
 
 """MaxSim forward for maxsim_dense_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "dense"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -164,7 +166,8 @@ def maxsim_dense_fp8_triton_fwd_kernel(
             t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
         else:
             t_valid = offs_t < d_len
-        if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if HAS_D_MASK or not EVEN_LD:
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d47657c422076a8e55577ee25aa4ea35c4de508ecec9a74c2e43dd64b36d7022
+# body-sha256: 00306e1c05b3a0a3d0a60457189b497b34a068ae4e2bcc5e90c6edc21bcd49e8
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -34,7 +34,9 @@ LAYOUT = "dense"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = True  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -191,9 +193,8 @@ def maxsim_dense_triton_fwd_kernel(
                             t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
                         else:
                             t_valid = offs_t < d_len
-                        if (
-                            HAS_D_MASK or not EVEN_LD
-                        ):  # BLOCK_L divides Ld: every tile is all valid tokens
+                        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                        if HAS_D_MASK or not EVEN_LD:
                             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                         best = row_max(best, sim, TOKEN_ROWS)
 
@@ -210,9 +211,8 @@ def maxsim_dense_triton_fwd_kernel(
                             t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
                         else:
                             t_valid = offs_t < d_len
-                        if (
-                            HAS_D_MASK or not EVEN_LD
-                        ):  # BLOCK_L divides Ld: every tile is all valid tokens
+                        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                        if HAS_D_MASK or not EVEN_LD:
                             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                         best = row_max(best, sim, TOKEN_ROWS)
 
@@ -229,9 +229,8 @@ def maxsim_dense_triton_fwd_kernel(
                         t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
                     else:
                         t_valid = offs_t < d_len
-                    if (
-                        HAS_D_MASK or not EVEN_LD
-                    ):  # BLOCK_L divides Ld: every tile is all valid tokens
+                    # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                    if HAS_D_MASK or not EVEN_LD:
                         sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                     best = row_max(best, sim, TOKEN_ROWS)
 
@@ -327,7 +326,8 @@ def maxsim_dense_triton_fwd_kernel(
 
             else:
                 t_valid = offs_t < d_len
-            if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+            # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+            if HAS_D_MASK or not EVEN_LD:
                 sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
             best = row_max(best, sim, TOKEN_ROWS)
 

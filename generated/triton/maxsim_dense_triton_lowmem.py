@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 941dc1525d2d79a0d3621d2c3c8a6aa0a657c813fd53a5659213533375f7e422
+# body-sha256: 3a9f13fbc8ea6ff3f3b274eeb86d3bc6d5af588f6490ef486b5f37203241cbf5
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "dense"
 BACKWARD = "lowmem"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = True  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = True
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -154,7 +156,8 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
                 t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
             else:
                 t_valid = offs_t < d_len
-            if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+            # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+            if HAS_D_MASK or not EVEN_LD:
                 sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
             best, best_index = row_argmax(sim, best, best_index, start, BLOCK_L)
 
@@ -195,9 +198,8 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
                         t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
                     else:
                         t_valid = offs_t < d_len
-                    if (
-                        HAS_D_MASK or not EVEN_LD
-                    ):  # BLOCK_L divides Ld: every tile is all valid tokens
+                    # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                    if HAS_D_MASK or not EVEN_LD:
                         sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                     best, best_index = row_argmax(sim, best, best_index, start, BLOCK_L)
 
@@ -214,9 +216,8 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
                         t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
                     else:
                         t_valid = offs_t < d_len
-                    if (
-                        HAS_D_MASK or not EVEN_LD
-                    ):  # BLOCK_L divides Ld: every tile is all valid tokens
+                    # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                    if HAS_D_MASK or not EVEN_LD:
                         sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                     best, best_index = row_argmax(sim, best, best_index, start, TAIL_L)
 

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: a5a24d12de54ea339a6ed51b91fb6e788382166daccba337aa77f6c85e7a907d
+# body-sha256: 39e85c2426ebb51c54e18e6a344a69f69833ec2487431b30ecd18f90a597fc9e
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -34,7 +34,9 @@ LAYOUT = "dense"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = True  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -212,6 +214,7 @@ def maxsim_dense_triton_res2_fwd_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     DOCS_PER_PROGRAM: tl.constexpr,
     FLAT_DOCS: tl.constexpr,
@@ -341,7 +344,9 @@ def maxsim_dense_triton_res2_fwd_kernel(
                             q_t, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION
                         )
                         t_valid = offs_t < d_len
-                        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+                        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                        if not EVEN_LD:
+                            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                         best = row_max(best, sim, TOKEN_ROWS)
 
                 else:
@@ -371,7 +376,9 @@ def maxsim_dense_triton_res2_fwd_kernel(
                             q_t, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION
                         )
                         t_valid = offs_t < d_len
-                        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+                        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                        if not EVEN_LD:
+                            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                         best = row_max(best, sim, TOKEN_ROWS)
 
             else:
@@ -407,7 +414,9 @@ def maxsim_dense_triton_res2_fwd_kernel(
                         q_t, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION
                     )
                     t_valid = offs_t < d_len
-                    sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+                    # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+                    if not EVEN_LD:
+                        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
                     best = row_max(best, sim, TOKEN_ROWS)
 
             if DOC_SPLITS == 1:
@@ -497,7 +506,9 @@ def maxsim_dense_triton_res2_fwd_kernel(
             )
             sim = tile_similarities(q_t, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION)
             t_valid = offs_t < d_len
-            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+            # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+            if not EVEN_LD:
+                sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
             best = row_max(best, sim, TOKEN_ROWS)
 
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
@@ -618,6 +629,7 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
         PEEL_TAIL=config.peel_tail,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
         EVEN_K=Q.shape[-1] == config.block_k,
+        EVEN_LD=False,
         TAIL_L=tail_tile(Ld, config.block_l) if config.peel_tail else config.block_l,
     )
 

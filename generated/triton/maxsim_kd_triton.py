@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: add68faeff73f9ea3e16e2bb766a77db6d0abc481529f5c820a2b323115cdebb
+# body-sha256: 568c6b78cc9f138b43a644f1753d1ae9848754426a355a394c4e0a807c6d2d49
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "kd"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -132,7 +134,8 @@ def maxsim_kd_triton_fwd_kernel(
             t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
         else:
             t_valid = offs_t < d_len
-        if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if HAS_D_MASK or not EVEN_LD:
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 

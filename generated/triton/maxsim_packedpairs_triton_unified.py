@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0e839abeeee9a53ee2d5438c9c665060302e80e27cc713c07e513182f923ba18
+# body-sha256: 09509c3b79f5bc7a25d9ec3ee00caac1e8a10bd181708f33dfc139ae279320c0
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "packed_pairs"
 BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -86,6 +88,7 @@ def maxsim_packedpairs_triton_unified_fwd_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    EVEN_LD: tl.constexpr,
 ):
     # 64-bit program index: offsets below reach past 2**31 elements on large corpora.
     pid = tl.program_id(0).to(tl.int64)
@@ -141,7 +144,9 @@ def maxsim_packedpairs_triton_unified_fwd_kernel(
         tile = _load_doc_tile(D, d_base, offs_t, offs_k, d_len, dim, stride_dt, stride_dk, False)
         sim = tile_similarities(q, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION)
         t_valid = offs_t < d_len
-        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if not EVEN_LD:
+            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best, best_index = row_argmax(sim, best, best_index, start, BLOCK_L)
 
     if NORMALIZE:
@@ -358,6 +363,7 @@ def launch(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         NORMALIZE=normalize,
+        EVEN_LD=False,
     )
 
     return out

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 50ef9dd1e32eda59af201d30e1110119d0910a6d065214445982d2525fa5524f
+# body-sha256: 8a8e4ce97c517f634838011b9ab79184d3c670fcf5e937a6cf1fff06b8323ce7
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "pairs"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -127,7 +129,8 @@ def maxsim_pairs_triton_fwd_kernel(
             t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
         else:
             t_valid = offs_t < d_len
-        if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if HAS_D_MASK or not EVEN_LD:
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 

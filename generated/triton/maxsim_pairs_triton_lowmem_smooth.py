@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: ca0dffde4caa8d6af0a50ea98243aaf099101e00e3a67366d73d5449723caf79
+# body-sha256: ebf6a2255c52adac0f286adb325d73a0454bb19ad5a9781f74634be52f4e81fb
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "pairs"
 BACKWARD = "lowmem"
 SCORE = "smooth"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -172,7 +174,8 @@ def maxsim_pairs_triton_lowmem_smooth_fwd_kernel(
         else:
             t_valid = offs_t < d_len
         nan_probe += tl.sum(tl.where(t_valid[None, :], sim, 0.0), axis=1)
-        if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if HAS_D_MASK or not EVEN_LD:
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, tau, 1, 1)
 

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1a1eafee81bc7230f0e841c2bb69044b59d0ad012a75c087349b9b001b39706e
+# body-sha256: fc517b749bde04646711ea310e5df60fe03f66db0207156489e22471db03cc62
 
 """MaxSim training (unified backward) for maxsim_pairs_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "pairs"
 BACKWARD = "unified"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -131,7 +133,8 @@ def maxsim_pairs_triton_unified_fwd_kernel(
             t_valid = token_valid(d_mask, d_mask_base, offs_t, stride_dmt, d_len)
         else:
             t_valid = offs_t < d_len
-        if HAS_D_MASK or not EVEN_LD:  # BLOCK_L divides Ld: every tile is all valid tokens
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if HAS_D_MASK or not EVEN_LD:
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best, best_index = row_argmax(sim, best, best_index, start, BLOCK_L)
 

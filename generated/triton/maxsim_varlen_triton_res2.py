@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8c0b59d58f611bfd3b53cd1631cc89fc8944e8e38b0d353042836995e323b544
+# body-sha256: d8bb29f9740bfad79d28ff6ac96a51bbd6e49394650db883842350de3bba0bc1
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "varlen"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -207,6 +209,7 @@ def maxsim_varlen_triton_res2_fwd_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     RESIDUAL_WORDS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -290,7 +293,9 @@ def maxsim_varlen_triton_res2_fwd_kernel(
         )
         sim = tile_similarities(q_t, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION)
         t_valid = offs_t < d_len
-        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if not EVEN_LD:
+            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 
     if NORMALIZE:
@@ -385,6 +390,7 @@ def launch(
         QUERY_GROUP=config.query_group,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
         EVEN_K=Q.shape[-1] == config.block_k,
+        EVEN_LD=False,
     )
 
     return out

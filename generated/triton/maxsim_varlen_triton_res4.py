@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 169ca19ced4cc1fd380613f75cd80c39043e67f25598113cd8d64d59fda9a138
+# body-sha256: 282149250ca84e8ebe4bb9a9ea2ff94bd3a6fc6f0469adee2389416e88f547b6
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "varlen"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -198,6 +200,7 @@ def maxsim_varlen_triton_res4_fwd_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     RESIDUAL_WORDS: tl.constexpr,
 ):
@@ -277,7 +280,9 @@ def maxsim_varlen_triton_res4_fwd_kernel(
         )
         sim = tile_similarities(q, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION)
         t_valid = offs_t < d_len
-        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if not EVEN_LD:
+            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 
     if NORMALIZE:
@@ -371,6 +376,7 @@ def launch(
         NORMALIZE=normalize,
         QUERY_GROUP=config.query_group,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
+        EVEN_LD=False,
     )
 
     return out

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d364c504730294b84213d73133fac5bc5eb8e86f60dc13b4bcbfa5f114ab18cc
+# body-sha256: 51ab99838e685c19cff428f12f438f844d8355d5e334518424a4f061bdbfaa53
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -33,7 +33,9 @@ LAYOUT = "varlen"
 BACKWARD = "none"
 SCORE = "max"
 DOC_STREAM = False  # the forward walks DOCS_PER_PROGRAM docs per program
-COLUMN_ARGMAX_OPTION = False  # config.column_argmax applies to the forward
+# config.column_argmax applies to the forward: its argmax may be kept per tile column over
+# the whole tiles it peels.
+COLUMN_ARGMAX_OPTION = False
 EVICT_DOCS_OPTION = False  # config.evict_docs applies to the forward
 # The forward scores tile @ q^T, doc tokens as the rows of the similarities (a decoded doc
 # tile feeds the MMA as its left operand without a transpose), instead of q @ tile^T.
@@ -207,6 +209,7 @@ def maxsim_varlen_triton_res8_fwd_kernel(
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     RESIDUAL_WORDS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -288,7 +291,9 @@ def maxsim_varlen_triton_res8_fwd_kernel(
         )
         sim = tile_similarities(q, tile, NORMALIZE, TOKEN_ROWS, DOT_DTYPE, INPUT_PRECISION)
         t_valid = offs_t < d_len
-        sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
+        # EVEN_LD: every doc holds Ld tokens and BLOCK_L divides Ld, so every tile is whole.
+        if not EVEN_LD:
+            sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 
     if NORMALIZE:
@@ -383,6 +388,7 @@ def launch(
         QUERY_GROUP=config.query_group,
         RESIDUAL_WORDS=residuals.dtype == torch.int32,
         EVEN_K=Q.shape[-1] == config.block_k,
+        EVEN_LD=False,
     )
 
     return out
