@@ -11,14 +11,18 @@ No host sync on CUDA: the sample's worst norm is copied to pinned host memory be
 event, and a later call reads it once the event has passed (event.query() does not
 wait); on MPS the first call reads it (one sync). A process whose only call is its
 first is not warned. Calls traced by torch.compile or captured into a CUDA graph are not
-sampled.
+sampled, nor calls made inside `quiet()` (the integrations: their callers cannot pass
+normalize, and the decision stays open for the process's own lik calls).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -49,6 +53,17 @@ class _Check:
 _lock = threading.Lock()
 _done = False  # warned, found normalized, or suppressed: no more sampling
 _pending: _Check | None = None
+_quiet = contextvars.ContextVar("lik_norm_warning_quiet", default=False)
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Calls inside the block are neither sampled nor warned (this thread or task only)."""
+    token = _quiet.set(True)
+    try:
+        yield
+    finally:
+        _quiet.reset(token)
 
 
 def check(Q: torch.Tensor, D: torch.Tensor, q_mask=None, d_mask=None) -> None:
@@ -61,6 +76,8 @@ def check(Q: torch.Tensor, D: torch.Tensor, q_mask=None, d_mask=None) -> None:
         _done = True
         return
     if torch.compiler.is_compiling() or (Q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if _quiet.get():
         return
     with _lock:
         if _done:

@@ -23,7 +23,7 @@ maxsim_module = pytest.importorskip("colpali_engine.utils.maxsim")
 losses = pytest.importorskip("colpali_engine.loss.late_interaction_losses")
 processing_utils = pytest.importorskip("colpali_engine.utils.processing_utils")
 
-from lik import runtime  # noqa: E402
+from lik import integrations, runtime  # noqa: E402
 from lik.integrations import colpali as lik_colpali  # noqa: E402
 from lik.runtime import variants  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
@@ -35,6 +35,7 @@ ORIGINAL_FUNCTIONS = {
 }
 NEGATIVE_LOSSES = (losses.ColbertNegativeCELoss, losses.ColbertPairwiseNegativeCELoss)
 ORIGINAL_FORWARDS = {cls: cls.forward for cls in NEGATIVE_LOSSES}
+HAS_KERNEL = integrations.has_kernel
 
 # Sizes: small enough for the interpreter (B <= 3, L <= 10, d <= 32).
 B, K, LQ, LD, DIM = 3, 2, 6, 9, 24
@@ -44,6 +45,14 @@ B, K, LQ, LD, DIM = 3, 2, 6, 9, 24
 def integration_off_afterwards():
     yield
     lik_colpali.disable()
+
+
+@pytest.fixture(autouse=True)
+def reference_path_counts_as_a_kernel(monkeypatch):
+    """The adapters are compared on the CPU reference path as well as under the
+    interpreter. Outside tests an integration leaves CPU calls without the interpreter
+    to the library (test_a_cpu_without_the_interpreter_stays_with_the_library)."""
+    monkeypatch.setattr(integrations, "has_kernel", lambda device: device.type in ("cpu", "cuda"))
 
 
 @pytest.fixture
@@ -346,3 +355,31 @@ def test_another_release_keeps_the_library_loss_forwards(monkeypatch):
     for cls, forward in ORIGINAL_FORWARDS.items():
         assert cls.forward is forward
     assert maxsim_module.maxsim_kd.__wrapped__ is ORIGINAL_FUNCTIONS["maxsim_kd"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_a_cpu_without_the_interpreter_stays_with_the_library(
+    lik_calls, monkeypatch, interpret, dtype
+):
+    """lik's reference path is no kernel: there colpali-engine's einsum answers (bit for
+    bit, as its own fp16/bf16 baseline tests expect), as its own kernel backend leaves
+    CPU calls to it; under the interpreter lik scores."""
+    monkeypatch.setattr(integrations, "has_kernel", HAS_KERNEL)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    from lik.runtime import dispatch
+
+    if interpret == "1" and dispatch.backend(torch.device("cpu")) != "interpreter":
+        pytest.skip("no interpreter here")
+    g = _generator(10)
+    Q, D = _queries(2, 4, 8, generator=g).to(dtype), _docs(3, 5, 8, generator=g).to(dtype)
+    expected = maxsim_module.maxsim_inbatch(Q, D)
+    with lik_colpali.enabled():
+        actual = maxsim_module.maxsim_inbatch(Q, D)
+    assert actual.dtype == dtype
+    if interpret == "0":
+        assert lik_calls == []
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    else:
+        assert lik_calls == ["maxsim"]
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)

@@ -16,7 +16,7 @@ import torch
 
 colbert = pytest.importorskip("pylate.scores.colbert")
 
-from lik import runtime  # noqa: E402
+from lik import integrations, runtime  # noqa: E402
 from lik.integrations import pylate as lik_pylate  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
@@ -26,12 +26,21 @@ ORIGINALS = {
     for name in ("colbert_scores", "colbert_kd_scores", "colbert_scores_pairwise")
 }
 ORIGINAL_CALL = colbert.ColBERTScores.__call__
+HAS_KERNEL = integrations.has_kernel
 
 
 @pytest.fixture(autouse=True)
 def integration_off_afterwards():
     yield
     lik_pylate.disable()
+
+
+@pytest.fixture(autouse=True)
+def reference_path_counts_as_a_kernel(monkeypatch):
+    """The adapters are compared on the CPU reference path as well as under the
+    interpreter. Outside tests an integration leaves CPU calls without the interpreter
+    to the library (test_a_cpu_without_the_interpreter_stays_with_the_library)."""
+    monkeypatch.setattr(integrations, "has_kernel", lambda device: device.type in ("cpu", "cuda"))
 
 
 @pytest.fixture
@@ -379,3 +388,27 @@ def test_distillation_loss(lik_path, lik_calls):
     # Built inside the block, the loss takes the routed twin as its default score_metric.
     _compare_loss(lambda model: losses.Distillation(model), features, labels)
     assert lik_calls == ["maxsim"]
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_a_cpu_without_the_interpreter_stays_with_the_library(lik_calls, monkeypatch, interpret):
+    """lik's reference path is no kernel: there PyLate's torch path answers, as PyLate's
+    own kernel backends leave CPU calls to it; under the interpreter lik scores."""
+    monkeypatch.setattr(integrations, "has_kernel", HAS_KERNEL)
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    from lik.runtime import dispatch
+
+    if interpret == "1" and dispatch.backend(torch.device("cpu")) != "interpreter":
+        pytest.skip("no interpreter here")
+    g = _generator(11)
+    Q, D = _queries(2, 4, 8, generator=g), _docs(3, 5, 8, generator=g)
+    d_mask = _doc_mask(3, 5, generator=g)
+    expected = colbert.colbert_scores(Q, D, documents_mask=d_mask)
+    with lik_pylate.enabled():
+        actual = colbert.colbert_scores(Q, D, documents_mask=d_mask)
+    if interpret == "0":
+        assert lik_calls == []
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    else:
+        assert lik_calls == ["maxsim"]
+        torch.testing.assert_close(actual, expected, **FP32)

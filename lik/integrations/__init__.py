@@ -1,13 +1,20 @@
-"""Route PyLate's and colpali-engine's MaxSim scoring through lik.
+"""Route PyLate's, colpali-engine's and Sentence Transformers' MaxSim scoring through lik.
 
-`lik.integrations.pylate` and `lik.integrations.colpali` each offer `enable()`,
+`lik.integrations.pylate`, `lik.integrations.colpali` and
+`lik.integrations.sentence_transformers` each offer `enable()`,
 `disable()` and the context manager `enabled()`. Enabling swaps a library's scoring
 functions, wherever the library's own modules hold them (module globals, `__init__`
 defaults such as a loss's default score function) and on the classes that wrap them,
-for routed twins. A twin sends a call to lik when lik can take it and to the library's
-original otherwise: another dtype, device or head dim, a non-default backend choice, or
-`LIK_DISABLE=1` (read on every call). Each adapter reproduces its library's numbers,
-padding conventions included; the submodules' docstrings give the formulas.
+for routed twins. A twin sends a call to lik when lik has a kernel for it and can take
+its arguments, and to the library's original otherwise: a CPU without the Triton
+interpreter (lik's reference path is no faster than the library's own torch code, so
+the library stays in charge there, as its native kernel backends leave CPU calls to
+it), another dtype, device or head dim, an argument value lik does not take (a tensor
+`tau`, say), a non-default backend choice, or `LIK_DISABLE=1` (read on every call).
+Each adapter reproduces its library's numbers, padding conventions included; the
+submodules' docstrings give the formulas. Calls routed to lik warn nothing of lik's own:
+the "inputs look unnormalized" check is off inside them (the library's callers cannot
+pass `normalize`).
 
 `disable()` puts the originals back, by identity. A twin that stays captured somewhere
 (say, a loss built while enabled) calls the original once its integration is off.
@@ -27,6 +34,7 @@ from types import FunctionType, ModuleType
 
 import torch
 
+from lik.runtime import dispatch, norm_warning
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 # Devices with a lik path that is worth taking (kernels on CUDA, the reference on CPU).
@@ -42,15 +50,23 @@ def disabled_by_env() -> bool:
     return os.environ.get("LIK_DISABLE", "").strip().lower() in _TRUE_WORDS
 
 
+def has_kernel(device: torch.device) -> bool:
+    """Whether lik runs a generated kernel on this device: Triton on CUDA, or a CPU under
+    TRITON_INTERPRET=1. Elsewhere lik would run its reference, and the library's own
+    function stays in charge."""
+    return device.type in LIK_DEVICE_TYPES and dispatch.backend(device) != "reference"
+
+
 def lik_accepts(*tensors: object) -> bool:
-    """Whether lik scores these embeddings: tensors of one supported dtype and device,
-    a head dim lik handles, nothing empty. Masks are checked by the caller."""
+    """Whether lik scores these embeddings: tensors of one supported dtype and device
+    that lik has a kernel for, a head dim lik handles, nothing empty. Masks are checked
+    by the caller."""
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
     first = tensors[0]
     return (
         first.dtype in SUPPORTED_DTYPES
-        and first.device.type in LIK_DEVICE_TYPES
+        and has_kernel(first.device)
         and all(t.dtype == first.dtype and t.device == first.device for t in tensors)
         and all(t.dim() > 0 and 0 < t.shape[-1] <= MAX_HEAD_DIM for t in tensors)
         and all(t.numel() > 0 for t in tensors)
@@ -69,13 +85,23 @@ def mask_fits(mask: object, shape: tuple[int, ...], device: torch.device) -> boo
     )
 
 
+def positive_number(value: object) -> bool:
+    """A Python number (not a bool or tensor) that fp32 holds as a positive normal
+    number: what lik's smooth max takes as tau."""
+    fp32 = torch.finfo(torch.float32)
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and fp32.tiny <= value <= fp32.max
+
+
 def call_lik(score: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor | None:
-    """score(*args, **kwargs), or None where lik declines the call for now."""
+    """score(*args, **kwargs) without lik's norm warning, or None where lik declines the
+    call: NotImplementedError for a path it does not offer yet, ValueError or TypeError
+    from its input checks. Both are raised before anything is launched, and the library's
+    own code still answers the call, so the caller falls back to it."""
     try:
-        return score(*args, **kwargs)
-    except NotImplementedError:
-        # lik raises this for a path it does not offer yet (it checks before launching);
-        # the library's own code still gives the right answer, so the caller falls back.
+        with norm_warning.quiet():
+            return score(*args, **kwargs)
+    except (NotImplementedError, ValueError, TypeError):
         return None
 
 

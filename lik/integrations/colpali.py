@@ -32,8 +32,11 @@ path without the interpreter uses amax: equal there on every row.)
 
 lik takes a call only when COLPALI_SCORES_BACKEND is unset or "auto"; "torch" and "lik"
 (which in colpali-engine names the late-interaction-kernels package) go to the library.
-Other dtypes than fp32/fp16/bf16, devices other than CPU and CUDA, head dims above lik's
-limit and empty inputs go to the library too, as does everything while LIK_DISABLE=1.
+Calls lik has no kernel for (a CPU without TRITON_INTERPRET=1, where colpali-engine's
+own backend also leaves the call to its einsum), other dtypes than fp32/fp16/bf16, head
+dims above lik's limit, empty inputs, and a smooth max whose tau is not a positive
+Python number (a tensor, 0: colpali-engine answers those itself) go to the library too,
+as does everything while LIK_DISABLE=1.
 The loss forwards are swapped only on the colpali-engine release they mirror; on another
 release the loss heads still reach lik through maxsim_inbatch and maxsim_kd.
 """
@@ -49,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from lik import runtime
-from lik.integrations import Integration, call_lik, lik_accepts
+from lik.integrations import Integration, call_lik, lik_accepts, positive_number
 from lik.runtime import variants
 
 MIRRORED_RELEASE = "0.3.18"  # the colpali-engine whose loss forwards ours reproduce
@@ -123,7 +126,7 @@ def _inbatch_scores(self, query_embeddings, doc_embeddings):
     """ColbertModule._inbatch_scores with use_smooth_max: lik's smooth kernels, then the
     library's length normalization. Hard max: None (the library's body, whose
     maxsim_inbatch is already lik's)."""
-    if not (self.use_smooth_max and _auto_backend()):
+    if not (self.use_smooth_max and _auto_backend() and positive_number(self.tau)):
         return None
     if not _takes_inbatch(query_embeddings, doc_embeddings):
         return None
@@ -138,7 +141,7 @@ def _explicit_negatives_loss(loss, query, positives, negatives, in_batch_term):
     """The body both negative-doc losses share in colpali-engine 0.3.18, scored by lik
     (smooth max included). None (use the library's forward) for inputs lik does not take.
     """
-    if not _auto_backend():
+    if not _auto_backend() or (loss.use_smooth_max and not positive_number(loss.tau)):
         return None
     if not (_takes_pairs(query, positives) and _takes_kd(query, negatives)):
         return None

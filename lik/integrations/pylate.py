@@ -25,10 +25,11 @@ embeddings' dtype promoted with the masks').
 
 lik takes a call only when PyLate's backend choice is its default, "auto" (the `backend`
 argument, else PYLATE_SCORES_BACKEND); an explicit "torch", "flash" or "lik" (which in
-PyLate names the late-interaction-kernels package) goes to PyLate. Non-tensor inputs
-(lists, arrays), dtypes other than fp32/fp16/bf16, devices other than CPU and CUDA, head
-dims above lik's limit, empty inputs and masks that are not exactly [N, L] go to PyLate
-too, as does everything while LIK_DISABLE=1.
+PyLate names the late-interaction-kernels package) goes to PyLate. Calls lik has no
+kernel for (a CPU without TRITON_INTERPRET=1, which PyLate's own kernel backends also
+leave to its torch path), non-tensor inputs (lists, arrays), dtypes other than
+fp32/fp16/bf16, head dims above lik's limit, empty inputs and masks that are not exactly
+[N, L] go to PyLate too, as does everything while LIK_DISABLE=1.
 """
 
 from __future__ import annotations
