@@ -176,7 +176,7 @@ def maxsim_scored(call: ScoredCall, Q, D, weights, q_mask, d_mask) -> torch.Tens
     backend = choose_backend(call.layout, Q, D)
     inputs = (Q, D) if weights is None else (Q, D, weights)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    name = _scored_name(call, Q, q_mask is not None or d_mask is not None, training)
+    name = _scored_name(call, Q, q_mask is not None, d_mask is not None, training)
     if backend == "metal" and not _available(name):
         if _forced() == "metal":
             raise MetalCompileError(f"Metal variant {name} did not compile: {_failures[name]}")
@@ -203,7 +203,7 @@ def scored_forward(call: ScoredCall, Q, D, weights, q_mask, d_mask, *, training:
         if saved is not None:
             saved.fill_(-1 if saved.dtype == torch.int16 else float("-inf"))
         return out.zero_(), saved
-    name = _scored_name(call, Q, q_mask is not None or d_mask is not None, training)
+    name = _scored_name(call, Q, q_mask is not None, d_mask is not None, training)
     tensors = {**_scored_inputs(Q, D, weights, q_mask, d_mask), "out": out, "saved": saved}
     _launch(_compile(name), "forward", tensors, _scored_params(call))
     return out, saved
@@ -221,7 +221,7 @@ def scored_backward(call: ScoredCall, grad_out, saved, Q, D, weights, q_mask, d_
     if _empty(Q, D):
         grads = (GQ.zero_(), GD.zero_(), None if GW is None else GW.zero_())
     else:
-        name = _scored_name(call, Q, q_mask is not None or d_mask is not None, True)
+        name = _scored_name(call, Q, q_mask is not None, d_mask is not None, True)
         compiled = _compile(name)
         tensors = {**_scored_inputs(Q, D, weights, q_mask, d_mask), "saved": saved,
                    "grad_out": grad_out.float(), "GQ": GQ, "GD": GD, "GW": GW}  # fmt: skip
@@ -247,11 +247,10 @@ class _Scored(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def _scored_name(call: ScoredCall, Q, masked: bool, training: bool) -> str:
-    """The Metal variants of the hooked scores have no mask or both masks (a call with one
-    mask runs the both-masks variant, the other all valid), as specs/metal.toml declares."""
+def _scored_name(call: ScoredCall, Q, has_q_mask: bool, has_d_mask: bool, training: bool) -> str:
     strategy = BACKWARD if training else "none"
-    return _name(call.layout, masked, masked, call.normalize, Q.dtype, strategy, call.score)
+    return _name(call.layout, has_q_mask, has_d_mask, call.normalize, Q.dtype, strategy,
+                 call.score)  # fmt: skip
 
 
 def _inputs(Q, D, q_mask, d_mask) -> dict[str, torch.Tensor]:
@@ -268,12 +267,6 @@ def _inputs(Q, D, q_mask, d_mask) -> dict[str, torch.Tensor]:
 
 
 def _scored_inputs(Q, D, weights, q_mask, d_mask) -> dict[str, torch.Tensor]:
-    if (q_mask is None) != (d_mask is None):
-        q_rows, d_rows = Q.shape[:2], D.shape[:2]
-        if q_mask is None:
-            q_mask = torch.ones(q_rows, dtype=torch.bool, device=Q.device)
-        else:
-            d_mask = torch.ones(d_rows, dtype=torch.bool, device=D.device)
     tensors = _inputs(Q, D, q_mask, d_mask)
     if weights is not None:
         tensors["W"] = weights.float()  # the kernels read fp32 weights, whatever their dtype

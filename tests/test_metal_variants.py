@@ -27,12 +27,14 @@ from test_metal import (
 from lik.runtime import metal, registry, variants
 from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_scored_reference
-from lik_gen.ir import Backward, Mask, Score, Target, Variant
+from lik_gen.ir import Backward, Score, Target, Variant
 from lik_gen.plan_metal import MAX_BUFFERS, plan_metal
 
-# Every score, layout, dtype, normalize and backward value, and both argument forms
+# Every score, layout, dtype, normalize, mask and backward value, and both argument forms
 # (strides one by one, and packed into one array: the weighted backwards).
 EXECUTED = (
+    "maxsim_dense_qmask_fp32_metal_norm_lowmem_smooth",
+    "maxsim_dense_dmask_fp32_metal_norm_lowmem_smooth",
     "maxsim_dense_qdmask_fp32_metal_norm_lowmem_weighted",
     "maxsim_pairs_qdmask_fp32_metal_lowmem_weighted",
     "maxsim_dense_qdmask_fp32_metal_norm_lowmem_smooth",
@@ -93,7 +95,8 @@ def parse(name):
     v = Variant.parse(name)
     return {
         "layout": v.layout.value,
-        "masked": v.mask is Mask.QD,
+        "q_masked": v.mask.has_q,
+        "d_masked": v.mask.has_d,
         "dtype": torch_dtype(v.dtype),
         "normalize": v.normalize,
         "train": v.backward is not Backward.NONE,
@@ -107,8 +110,9 @@ def make_inputs(v, Nq, Nd, Lq, Ld, dim, *, seed=0, k=3, tau=0.3):
     Q = torch.randn(Nq, Lq, dim, generator=g).to(v["dtype"])
     D = torch.randn(Nd, Ld, dim, generator=g).to(v["dtype"])
     q_mask = d_mask = None
-    if v["masked"]:
+    if v["q_masked"]:
         q_mask = torch.rand(Nq, Lq, generator=g) < 0.8
+    if v["d_masked"]:
         d_mask = torch.rand(Nd, Ld, generator=g) < 0.7
         d_mask[0] = False  # a fully masked doc: scores 0, takes no gradient
     params = {"k": k} if v["score"] == "topk_mean" else {"tau": tau}
@@ -195,7 +199,7 @@ def test_matches_float64_reference(fake_mps, monkeypatch, name, shape):
     assert compiled == [name]
     roles = ["forward", "grad_q", "grad_d"] if v["train"] else ["forward"]
     assert [c[0] for c in calls] == [f"{kernel_of(name)}_{role}" for role in roles]
-    if v["masked"] and v["train"]:
+    if v["d_masked"] and v["train"]:
         assert (grad_d[0] == 0).all(), "a fully masked doc takes no gradient"
 
 
@@ -260,9 +264,11 @@ def test_strided_inputs_bind_their_strides(fake_mps, monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["q_mask", "d_mask"])
-def test_one_mask_runs_the_both_masks_variant(fake_mps, monkeypatch, which):
+def test_one_mask_runs_its_own_variant(fake_mps, monkeypatch, which):
+    # A call with one mask runs the one-mask variant (the same kernel file, other
+    # constants): no all-valid mask is allocated for the other side.
     calls, compiled = fake_mps
-    name = "maxsim_dense_qdmask_fp32_metal_norm_lowmem_smooth"
+    name = f"maxsim_dense_{which[0]}mask_fp32_metal_norm_lowmem_smooth"
     v = parse(name)
     Q, D, q_mask, d_mask, params = make_inputs(v, 2, 3, 7, 10, 16, seed=7)
     masks = {"q_mask": q_mask, "d_mask": None} if which == "q_mask" else {
