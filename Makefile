@@ -27,8 +27,20 @@ INTEGRATIONS := pylate==1.6.0 colpali-engine==0.3.18 \
 	scipy==1.17.1 scikit-learn==1.9.1 joblib==1.6.0 threadpoolctl==3.8.0 \
 	narwhals==2.29.0 cloudpickle==3.1.3 pillow==13.0.0
 
-.PHONY: setup setup-demo setup-test setup-integrations generate check lint test demo bench soak \
-	tune test-gpu clean
+# Sentence Transformers 6 gets a folder of its own (pip --target, put first on PYTHONPATH
+# for its tests): pylate 1.6 above pins sentence-transformers 5.3. --no-deps: ST 6.2.0
+# needs transformers>=5,<6, tokenizers>=0.19, huggingface-hub>=1.3,<3, torch>=2.2,
+# numpy>=1.24, scikit-learn>=1.1, scipy>=1.0, typing_extensions>=4.10 and tqdm, which the
+# CPU torch and the pins above meet (transformers 5.3.0, huggingface-hub 1.33.0, ...).
+ST6 := $(VENV)/st6
+ST6_PIN := sentence-transformers==6.2.0
+ST6_STAMP := $(ST6)/.lik-st6-done
+# The clients' sdists (their test suites), downloaded once and checked against the sha256
+# pins in tests/clients/run_client_suites.py.
+CLIENT_SDISTS := $(VENV)/client-sdists
+
+.PHONY: setup setup-demo setup-test setup-integrations setup-st6 generate check lint test \
+	test-clients test-st6 demo bench soak tune test-gpu clean
 
 # Everything: what the demo needs, then what the tests add.
 setup: setup-demo setup-test
@@ -42,7 +54,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -e '.[gen,triton]'
 	touch $@
 
-setup-test: $(TEST_STAMP) $(INTEGRATIONS_STAMP)
+setup-test: $(TEST_STAMP) $(INTEGRATIONS_STAMP) $(ST6_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	$(VPY) -m pip install -e '.[dev]'
@@ -55,6 +67,13 @@ $(INTEGRATIONS_STAMP): $(TEST_STAMP) Makefile
 	$(VPY) -m pip install --no-deps $(INTEGRATIONS)
 	touch $@
 
+setup-st6: $(ST6_STAMP)
+
+$(ST6_STAMP): $(TEST_STAMP) Makefile
+	rm -rf $(ST6)
+	$(VPY) -m pip install --no-deps --target $(ST6) $(ST6_PIN)
+	touch $@
+
 generate: setup-demo
 	$(VPY) -m lik_gen generate
 
@@ -64,9 +83,17 @@ check: setup-demo
 lint: setup-demo
 	$(VPY) -m ruff check .
 
-# The suite sets TRITON_INTERPRET itself where it runs kernels on the CPU.
-test: setup-test
-	$(VPY) -m pytest -q
+# The suite sets TRITON_INTERPRET itself where it runs kernels on the CPU. Before it: the
+# clients' own suites, plain and with lik enabled (about 1.5 minutes), and the Sentence
+# Transformers 6 tests in the ST 6 folder (about 1 minute); the suite's summary comes last.
+test: setup-test test-clients test-st6
+	LIK_ST6_PATH=$(abspath $(ST6)) $(VPY) -m pytest -q
+
+test-clients: setup-test
+	$(VPY) tests/clients/run_client_suites.py --cache $(CLIENT_SDISTS)
+
+test-st6: setup-test
+	PYTHONPATH=$(abspath $(ST6)) $(VPY) -m pytest -q tests/test_integration_sentence_transformers.py
 
 demo: setup-demo
 	$(VPY) -m lik.demo
