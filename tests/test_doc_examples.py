@@ -6,14 +6,19 @@ Comment lines right above a block's fence change how it runs:
 
     <!-- skip: REASON -->              not run here (say why: needs CUDA, a network, ...)
     <!-- needs: MODULE -->             skipped where MODULE is not importable
+    <!-- needs: MODULE>=MAJOR -->      the same, and its distribution at release MAJOR or later
     <!-- env: TRITON_INTERPRET=1 -->   run with the generated kernels under the interpreter
 
-The blocks of one page run in one process (per interpreter setting), one after another.
+A versioned need that this environment does not meet may be met by the Sentence
+Transformers 6 folder `make test` sets up (LIK_ST6_PATH, default .venv/st6): such blocks
+run with that folder first on PYTHONPATH. The blocks of one page run in one process (per
+interpreter setting and path), one after another.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -100,17 +105,60 @@ def blocks_of(page: Path) -> list[Block]:
 BLOCKS = [block for page in PAGES for block in blocks_of(page)]
 
 
+ST6_PATH = Path(os.environ.get("LIK_ST6_PATH", ROOT / ".venv" / "st6"))
+
+
+def _release(module: str, path: Path | None) -> int | None:
+    """The major release of MODULE's distribution, here (path None) or in a --target
+    folder; None where it is not installed."""
+    name = module.replace("_", "-").lower()
+    found = (
+        importlib.metadata.distributions(path=[str(path)]) if path is not None
+        else importlib.metadata.distributions()
+    )  # fmt: skip
+    for dist in found:
+        if (dist.metadata["Name"] or "").replace("_", "-").lower() == name:
+            return int(dist.version.split(".")[0])
+    return None
+
+
+def _met(need: str, path: Path | None) -> bool:
+    module, _, major = need.partition(">=")
+    module = module.strip()
+    if path is None and importlib.util.find_spec(module) is None:
+        return False
+    if not major:
+        return True
+    release = _release(module, path)
+    return release is not None and release >= int(major)
+
+
+def _path_for(block: Block) -> Path | None | bool:
+    """None: runs in this environment; a folder: runs with it on PYTHONPATH; False: its
+    needs are met nowhere here."""
+    if all(_met(need, None) for need in block.needs):
+        return None
+    if ST6_PATH.is_dir() and all(
+        _met(need, None) or (">=" in need and _met(need, ST6_PATH)) for need in block.needs
+    ):
+        return ST6_PATH
+    return False
+
+
 def _runnable(block: Block) -> bool:
-    return block.skip is None and all(importlib.util.find_spec(m) for m in block.needs)
+    return block.skip is None and _path_for(block) is not False
 
 
-_RESULTS: dict[tuple[str, bool], list[dict]] = {}
+_RESULTS: dict[tuple[str, bool, Path | None], list[dict]] = {}
 
 
-def _run_group(page: str, interpret: bool, tmp_dir: Path) -> dict[int, dict]:
+def _run_group(page: str, interpret: bool, path: Path | None, tmp_dir: Path) -> dict[int, dict]:
     """Runs the runnable blocks of one page in one process; results by line."""
-    key = (page, interpret)
-    group = [b for b in BLOCKS if (b.page, b.interpret) == key and _runnable(b)]
+    key = (page, interpret, path)
+    group = [
+        b for b in BLOCKS
+        if (b.page, b.interpret) == (page, interpret) and _runnable(b) and _path_for(b) == path
+    ]  # fmt: skip
     if key not in _RESULTS:
         blocks = tmp_dir / "blocks.json"
         blocks.write_text(json.dumps([{"code": b.code, "where": b.where} for b in group]))
@@ -119,6 +167,8 @@ def _run_group(page: str, interpret: bool, tmp_dir: Path) -> dict[int, dict]:
         env.pop("TRITON_INTERPRET", None)
         if interpret:
             env["TRITON_INTERPRET"] = "1"
+        if path is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
         done = subprocess.run(
             [sys.executable, "-c", RUNNER, str(blocks), str(results)],
             cwd=tmp_dir, env=env, capture_output=True, text=True, timeout=900,
@@ -140,11 +190,11 @@ def test_the_pages_have_examples():
 def test_the_example_runs_as_written(block, tmp_path_factory):
     if block.skip is not None:
         pytest.skip(block.skip)
-    missing = [m for m in block.needs if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)}")
+    path = _path_for(block)
+    if path is False:
+        pytest.skip(f"needs {', '.join(block.needs)}")
     tmp_dir = tmp_path_factory.mktemp("doc-examples")
-    results = _run_group(block.page, block.interpret, tmp_dir)
+    results = _run_group(block.page, block.interpret, path, tmp_dir)
     result = results.get(block.line)
     assert result is not None, f"{block.where}: an earlier block of the page stopped its process"
     assert result["error"] is None, f"{block.where} failed:\n{result['error']}"
