@@ -164,15 +164,15 @@ def streamed_blocks(config, nq: int, nd: int, ld: int) -> int:
 # as the GPU holds at once (programs_per_wave), within a power of two. Each range is at
 # least SPLIT_MIN_TILES tiles long so its loads still pipeline, and calls of
 # SPLIT_MAX_PROGRAMS programs or more keep whole docs (1000 docs of 1024 tokens ran 2-18%
-# slower in 2-8 ranges: benchmarks/results/forward_rerank_splits_H100.md; on an H200,
-# 1000 docs of 300 tokens 28 -> 34 us at best: rerank_small_splits_H200.md). On an H100
-# (benchmarks/results/forward_split_waves_H100.md) longdoc takes 4 ranges (0.120 ms
+# slower in 2-8 ranges: commit 4906768; on an H200,
+# 1000 docs of 300 tokens 28 -> 34 us at best: commit f6a76bd). On an H100
+# (commit d2c3490) longdoc takes 4 ranges (0.120 ms
 # unsplit, 0.057 split); against a fixed 256-program target, one query over 64 docs of
 # 8192 tokens at d 48 takes 32 ranges instead of 4 (GPU time 0.033 -> 0.025 ms).
 SPLIT_MIN_TILES = 4
 SPLIT_MAX_PROGRAMS = 256
 # The last range reduces the others' maxima with their loads unrolled 64 at a time, so
-# that compile time stays flat past that (forward_split_ranges_H100_H200.md). One doc of
+# that compile time stays flat past that (commit e24bb39). One doc of
 # 2**20 tokens: H100 0.152 ms in 128 ranges, 0.102 in 256, 0.104 in 512; H200 0.150 in
 # 128, 0.090 in 256.
 SPLIT_MAX_RANGES = 256
@@ -239,7 +239,7 @@ def doc_splits(config, nq: int, nd: int, ld: int, wave: int) -> int:
 # launcher's tail_tile: Ld 200 in 64-token tiles leaves 8 tokens, scored in a 16-token
 # tile). That pays where the tensor cores bound the call: stacked query tiles of at least
 # PEEL_MIN_ROWS rows, and docs of PEEL_MIN_TILES whole tiles, or of NARROW_PEEL_MIN_TILES
-# when the last tile narrows. On an H200 (benchmarks/results/forward_tail_tile_H200.log,
+# when the last tile narrows. On an H200 (commit 9f51040,
 # each line one shape: unpeeled, then peeled in a full and in a narrow last tile),
 # 256 x 256 queries and docs: Ld 130 0.253 -> 0.211 ms, Ld 200 0.296 -> 0.256, Ld 300
 # 0.354 -> 0.343; a thin single-query rerank loses to the last load, which is not
@@ -263,7 +263,7 @@ def peels_tail(config, ld: int) -> bool:
 # own tile loop, under a stacked query tile of at least NEST_MIN_ROWS rows: such a tile
 # (256 rows x 128 dims: 64 KB) costs about as much to load as the doc's tiles, and is
 # loaded once for all of them. Blocks are sized for about NEST_TARGET_PROGRAMS programs.
-# Measured on an H200 (benchmarks/results/forward_nested_docs_H200.md), 8 docs per
+# Measured on an H200 (commit 0a14a52), 8 docs per
 # program on 4 warps against one: 256 x 256 queries and docs at Ld 300 0.340 -> 0.325
 # ms, at Ld 192 0.219 -> 0.186; 16 x 20000 at Ld 300 1.84 -> 1.65. On 8 warps 2-4 docs
 # gained at most 4% and lost up to 15%, and 16 docs ran 2-4x slower.
@@ -288,7 +288,7 @@ def nested_docs_per_program(config, nq: int, nd: int) -> int:
 # stream through, up to an L2 (50 MB) of writes the rerank would otherwise wait on.
 # Triton's pipelined loads carry no such hint. Such loads want their own tile and warps,
 # so they have their own tuning key (kernel "once"; defaults: lik.runtime.tuning).
-# On an H100 (benchmarks/results/rerank_evict_first_H100.md; do_bench overwrites L2
+# On an H100 (commit 3411533; do_bench overwrites L2
 # before each call): 1000 docs of 300 tokens 0.040 -> 0.037 ms, of 512 0.059 -> 0.056,
 # lateon-edge 0.049 -> 0.047; under an L2 of docs the lean pipeline lost (100 docs of
 # 180 tokens 0.010 -> 0.013), and at 1000 docs of 1024 tokens (262 MB) it gained nothing.
@@ -641,7 +641,9 @@ def forward_ragged(
     The Lq bucket comes from max_seqlen_q, so the many distinct maxima of real batches
     share a handful of compiled kernels.
     """
-    if out.numel() == 0 or max_seqlen_q == 0 or D.shape[0] == 0:
+    # Only an empty output returns early: with no query tokens (max_seqlen_q == 0) or no doc
+    # tokens the kernels still check every offset and index, and poison what is bad.
+    if out.numel() == 0:
         if argmax is not None:
             argmax.fill_(-1)
         return out.zero_()
@@ -695,6 +697,8 @@ def backward_ragged(
     normalize: bool,
     strategy: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # No token can have won here: zero gradients, whatever the offsets (a pair poisoned
+    # with NaN takes no gradient on any path).
     if grad_out.numel() == 0 or max_seqlen_q == 0 or D.shape[0] == 0 or Q.shape[0] == 0:
         return torch.zeros_like(Q), torch.zeros_like(D)
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)

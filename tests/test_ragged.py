@@ -489,6 +489,53 @@ def test_offsets_that_miss_packed_tokens_poison_every_score_on_every_path(lik_pa
         maxsim_varlen(Q, D, cu["q"], cu["d"])
 
 
+def _cu(*offsets):
+    return torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+
+
+EMPTY_SIDE_CASES = {
+    # case: (query tokens, doc tokens, cu_seqlens_q, cu_seqlens_d, max_seqlen_q, pairs or
+    # None for maxsim_varlen)
+    "bound 0, queries of 3 and 7 tokens": (10, 7, (0, 3, 10), (0, 4, 7), 0, None),
+    "bound 0, empty queries": (0, 7, (0, 0, 0), (0, 4, 7), 0, None),
+    "bound 0, offsets past the queries": (0, 7, (0, 2, 0), (0, 4, 7), 0, None),
+    "no doc tokens": (10, 0, (0, 3, 10), (0, 0, 0), 7, None),
+    "no doc tokens, offsets past them": (10, 0, (0, 3, 10), (0, 2, 0), 7, None),
+    "no doc tokens, a doc offset not 0": (10, 0, (0, 3, 10), (1, 0), 7, None),
+    "pairs, bound 0, a 4-token query": (7, 9, (0, 0, 7), (0, 9), 0, ([0, 1], [0, 0])),
+    "pairs, no doc tokens, one past the queries": (10, 0, (0, 3, 10), (0, 0), 7, ([5, 1], [0, 0])),
+    "pairs, no doc tokens, a pair past the docs": (10, 0, (0, 3, 10), (0, 0), 7, ([1], [1])),
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_SIDE_CASES))
+def test_empty_sides_still_check_offsets_and_pairs_on_every_path(lik_path, case):
+    """With no query tokens to score (max_seqlen_q == 0) or no doc tokens, the offsets,
+    pair indices and query bound are still checked: what is bad scores NaN, what is good
+    0, as the reference gives (the kernel path once returned zeros before any check)."""
+    q_tokens, d_tokens, cu_q, cu_d, bound, pairs = EMPTY_SIDE_CASES[case]
+    g = torch.Generator().manual_seed(2)
+    Q = torch.randn(q_tokens, 16, generator=g).to(DEVICE).requires_grad_()
+    D = torch.randn(d_tokens, 16, generator=g).to(DEVICE).requires_grad_()
+    cu_q, cu_d = _cu(*cu_q), _cu(*cu_d)
+    if pairs is None:
+        out = maxsim_varlen(Q, D, cu_q, cu_d, max_seqlen_q=bound)
+        kwargs = {"layout": "varlen"}
+    else:
+        pair_q, pair_d = (torch.tensor(p, device=DEVICE) for p in pairs)
+        out = score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, max_seqlen_q=bound)
+        kwargs = {"pair_q_idx": pair_q, "pair_d_idx": pair_d}
+    want = score_pairs_packed_reference(Q.detach().double(), D.detach().double(),
+                                        cu_seqlens_q=cu_q, cu_seqlens_d=cu_d,
+                                        max_seqlen_q=bound, **kwargs)  # fmt: skip
+    assert out.shape == want.shape
+    assert torch.equal(out.isnan(), want.isnan()), f"{out} vs {want}"
+    assert torch.equal(out[~out.isnan()].double(), want[~want.isnan()])
+    if out.requires_grad:  # (the reference's all-NaN scores are constants)
+        grads = torch.autograd.grad(out.nan_to_num(0.0).sum(), (Q, D), allow_unused=True)
+        assert all(grad is None or not grad.any() for grad in grads)  # bad pairs take none
+
+
 @pytest.mark.parametrize(
     "argument, error, message",
     [("cu_seqlens_q", TypeError, "cu_seqlens_q must be a 1-D int32 tensor .*got list"),
