@@ -34,9 +34,9 @@ def choose_backward(backward: str | None, layout: str, nq: int, nd: int) -> str:
     and from 64 times as many docs (8 x 1000 1.2x, 1 x 1000 1.7x; 1 x 250 the exception),
     where its per-query grad_Q or per-doc grad_D has too few owners to spread; faster still
     at 50 and 62 docs per query (4 x 200, 16 x 1000) (benchmarks/results/
-    auto_backward_H200.md). kd and pairs: lowmem. varlen (ragged in-batch) follows dense:
+    commit b29daf8). kd and pairs: lowmem. varlen (ragged in-batch) follows dense:
     lowmem 1.4-1.8x faster from 16 x 16 to 128 x 128 sequences, 1.26x slower at 256 x 8,
-    2.3x slower at 1 x 1000 (backward_strategies_H200.md). A pair list (packed_pairs) has
+    2.3x slower at 1 x 1000 (benchmarks/results/backward/H200.md). A pair list (packed_pairs) has
     only unified.
     """
     if layout == "packed_pairs":

@@ -83,7 +83,7 @@ LONG_DOC_TOKENS = 512
 # Hidden-state bytes from which H is read through a TMA descriptor. The descriptor costs
 # host time on every call, which paces smaller calls back to back; larger ones are paced
 # by the GPU, where TMA reads faster. H200, Nq 1, Ld 300, 768 -> 128, back to back (us per
-# call, TMA / pointer; benchmarks/results/head_tma_H200.md): 118 MB 95 / 59, 236 MB
+# call, TMA / pointer; commit c25187a): 118 MB 95 / 59, 236 MB
 # 90 / 97, 461 MB 152 / 170.
 TMA_MIN_HIDDEN_BYTES = 160 << 20
 
@@ -108,7 +108,7 @@ def _default_config(
     #   Nq 1, Ld 300 (colbert-rerank): block_l 128, 4 warps 0.165, 8 warps 0.172;
     #          block_l 64 0.170.
     # Rechecked on an H200 against seven other configs per shape, Ld 300-2048, Nq 1-32: none
-    # faster (benchmarks/results/head_configs_H200.md).
+    # faster (commit f6a76bd).
     rows = queries * block_q
     if long_docs and block_k <= 128:
         block_l, warps, stages = 256, 8, 4 if rows <= 64 else 3
@@ -315,7 +315,7 @@ def _composed_scores(Q, H, W, b, d_mask, normalize: bool) -> torch.Tensor:
     scores are divided by sqrt(d) after the maxsim. The step is paced by the host, and
     rms_norm is one op where F.normalize in fp32 was five: H200, an in-batch step of 32 x
     32 docs of 300 tokens, 768 -> 128 (bf16 docs then), 1.53-1.65 -> 0.93-1.36 ms back to
-    back, LIK 0.4.5 1.35-1.56 (benchmarks/results/head_training_norm_H200.md). Its eps,
+    back, LIK 0.4.5 1.35-1.56 (commit 30ed6fb). Its eps,
     1e-24 / d inside the mean, matches F.normalize's 1e-12 floor on the norm except for
     tokens of norm near 1e-12."""
     # fp32 docs (and queries) for bf16/fp16 inputs: docs rounded to the inputs' dtype move

@@ -6,7 +6,7 @@ which hashes Triton's own sources and its ~400 MB shared library to key the cach
 0.1 s importing modules Triton loads on first launch; of a 54 ms first call that came
 after that work (H100 host), 11 ms ran `file` for a platform key; 5 ms ran `ptxas
 --version` for the backend's part of the key and 4 ms read the tuning table (H200;
-benchmarks/results/cold_start_phases_H200.md). Only
+commit 305b670). Only
 that ptxas lookup needs CUDA started, which the caller's setup does while Triton imports,
 so a daemon thread started when lik is imported does it all; the hashing releases the
 GIL, so the caller's own start-up (loading a model, building inputs) goes on beside it,

@@ -69,9 +69,9 @@ SHAPES = [
     ("train-colpali-32", 32, 32, 128, 1024, 128),
     # A batched rerank (8 queries' candidates in one call), whose key no suite shape has:
     # on the default config (4 queries stacked) it ran 14% slower than on its tuned one
-    # (H200, 0.112 against 0.096 ms, benchmarks/results/tune_rerank8q_H200.log; H100 tuned
+    # (H200, 0.112 against 0.096 ms, commit 64e95e3; H100 tuned
     # 0.097; through lik.maxsim in one run each, 0.115 -> 0.098 ms on an H100 and 0.113 ->
-    # 0.096 on an H200: masked_tiles_H100_H200.md).
+    # 0.096 on an H200: commit a25e1d4).
     ("rerank-8q", 8, 2000, 32, 300, 128),
 ]
 # (name, Nq, Nd or docs per query (kd), Lq, Ld, d, layout): the training steps of
@@ -90,7 +90,7 @@ NUM_STAGES = (2, 3, 4)
 THIN_WARPS = (1, 2)
 # Docs loaded once sit in registers, one tile per warp in flight: wide tiles on few warps
 # or narrow ones on more (H100, lateon-edge: 128 tokens on 2 warps 44.2 us, 64 on 1-2 warps
-# 44.9, 32 on one 47.7; benchmarks/results/rerank_once_tiles_H100.md).
+# 44.9, 32 on one 47.7; commit ee7ed93).
 ONCE_BLOCK_L = (32, 64, 128)
 ONCE_WARPS = (1, 2, 4, 8)
 # The dense grad_D multiplies a one-hot [BLOCK_L, rows] tile per step, so its work
@@ -103,7 +103,7 @@ BACKWARD_STAGES = (1, 2, 3)
 # timed call then writes back while it reads its docs; the configs of a memory-bound
 # rerank can tie under that and differ after a kernel that only read (H100, lateon-edge's
 # docs-once tiles: 44.3 and 44.6 us under do_bench, 42.7 and 41.6 with L2 left clean;
-# benchmarks/results/lateon_once_ab_H100.md). Candidates within NEAR_TIE of do_bench's
+# commit 2801089). Candidates within NEAR_TIE of do_bench's
 # winner are timed again with L2 clean, and one that runs in at most CLEAN_WIN of the
 # winner's time there takes the key: one timing each, and a single sweep's clean times
 # spread wider than an alternated A/B's (7% there against 2.5%).

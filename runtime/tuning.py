@@ -101,7 +101,7 @@ def unmasked_key(key: KernelKey) -> KernelKey | None:
     Masks add a load and a select per tile, not another tiling: where a masked variant
     has no entry of its own, its unmasked twin's tuned entry is a closer fit than the
     default (H100, in-batch 256 x 256 with a doc mask: 0.63 -> 0.41 ms, unmasked 0.33;
-    benchmarks/results/masked_configs_H100_H200.md)."""
+    commit 50f0d7d)."""
     variant = Variant.parse(key.variant)
     if variant.mask is Mask.NONE:
         return None
@@ -133,7 +133,7 @@ def committed_entry(key: KernelKey) -> dict | None:
 # A query tile of at most THIN_ROWS rows (one short query) is too thin for a warpgroup's
 # tensor-core instruction, and its reranks are bound by their loads: fewer warps per
 # program are candidates too (H200, colbert-rerank: 2 warps 0.0306 ms, 4 warps 0.0316;
-# benchmarks/results/forward_thin_warps_H200.log).
+# commit 13a00e6).
 THIN_ROWS = 32
 
 # Rows of a stacked query tile: 128 fills a Hopper tensor-core tile (wgmma M = 64 per
@@ -169,7 +169,7 @@ def one_warpgroup_backward(key: KernelKey) -> bool:
 # Docs loaded once (unpipelined, evict-first; lik.runtime.dispatch.streamed) keep a tile
 # of ONCE_TILE_ELEMENTS in flight per warp by default: one warp of 32 tokens at d 128,
 # 64 at d 64. On an H100 (1000 docs of 1024 tokens at d 48, padded to 64), 64-token tiles
-# read in 44.5 us where 32-token ones took 48.2 (benchmarks/results/rerank_once_tiles_H100.md).
+# read in 44.5 us where 32-token ones took 48.2 (commit ee7ed93).
 ONCE_TILE_ELEMENTS = 4096
 
 
@@ -187,7 +187,7 @@ def default_config(key: KernelKey) -> dict[str, int]:
         # was the fastest or within 11% of it on each of nine training steps (H200,
         # in-batch, colpali and KD), where the forward's 8 warps and 3 stages took up to
         # 2.2x as long. Unified backwards (1.5x slower so) and the token-score variants'
-        # (1.06-1.12x) keep the forward's rule (benchmarks/results/backward_defaults_H200.md).
+        # (1.06-1.12x) keep the forward's rule (commit bb819b4).
         return {"block_l": block_l, "num_warps": BACKWARD_WARPS, "num_stages": 1,
                 "block_n": 8, "query_group": default_query_group(key)}  # fmt: skip
     if "_fp8_" in key.variant:

@@ -197,7 +197,7 @@ def test_auto_backward_choice():
     assert api.choose_backward("auto", "dense", 16, 16 * api.LOPSIDED_DOCS - 1) == "lowmem"
     assert api.choose_backward(None, "dense", 16, 16 * api.LOPSIDED_DOCS) == "unified"
     # Many queries over few docs turn sooner: H200, 256 x 8 and 128 x 4 ran 1.16x faster
-    # unified (benchmarks/results/auto_backward_H200.md), 256 x 16 1.25x faster lowmem.
+    # unified (commit b29daf8), 256 x 16 1.25x faster lowmem.
     assert api.LOPSIDED_QUERIES < api.LOPSIDED_DOCS
     assert api.choose_backward(None, "dense", 8 * api.LOPSIDED_QUERIES, 8) == "unified"
     assert api.choose_backward(None, "dense", 8 * api.LOPSIDED_QUERIES - 1, 8) == "lowmem"

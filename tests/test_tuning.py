@@ -335,7 +335,7 @@ def test_only_few_long_docs_split_into_token_ranges():
 def test_a_wave_is_the_programs_the_gpu_holds_at_once():
     # Shared memory (plus 1 KB reserved per program) and 128 registers per thread bound
     # an SM's share; the measured splits of
-    # benchmarks/results/forward_split_waves_H100.md follow.
+    # commit d2c3490 follow.
     h100 = dispatch.H100_MULTIPROCESSORS
     longdoc = LaunchConfig(32, 64, 128, 8, 3, query_group=8)  # 112 KB: 2 per SM
     assert dispatch.programs_per_wave(longdoc, 112 * 1024, h100) == 264

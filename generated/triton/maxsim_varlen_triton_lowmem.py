@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: cb8043161c5f6cbd5f84d520fc37f0288332dcaea345e4bfd860b6e374a8af84
+# body-sha256: 71ec4fe64334252dfabda661abbecf4045ca451bc8ad60e118938583bf909a17
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -255,7 +255,7 @@ def _doc_tile(cu_seqlens_d, pid, Nd, total_d, BLOCK_L: tl.constexpr, SCAN_DOCS: 
     with bad offsets none (the forward scored its pairs NaN and wrote no winners). Counted
     over the offsets in registers: a tile map built with torch took more GPU time than
     the backward it served on small batches (16 x 16 docs: 20 us against 17 us, H200;
-    benchmarks/results/ragged_tile_map_H200.log). Every
+    commit 03d0c75). Every
     program reads all Nd offsets (8 KB per 1024 docs, from L2): one step for in-batch
     sizes, growing with Nd times the programs for batches of many thousand docs."""
     doc = tl.zeros([], dtype=tl.int64)  # docs whose programs all come before pid

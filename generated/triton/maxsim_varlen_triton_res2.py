@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d8bb29f9740bfad79d28ff6ac96a51bbd6e49394650db883842350de3bba0bc1
+# body-sha256: fa4ec6b61c2935777c41985ab787b646c5a82399e5fdba33de2e351a6fc4a706
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -64,7 +64,7 @@ def _residual_units(
         # Residuals is the int32 word view of the packed bytes: one vector load of a few
         # words per token, then every dim's bits taken from its word in registers
         # (a load of the byte per dim took twice as long on H100 and H200:
-        # benchmarks/results/plaid_decode_probe.md).
+        # commit 754e23f).
         PER_WORD: tl.constexpr = 32 // 2
         offs_w = tl.arange(0, offs_k.shape[0] // PER_WORD)
         words = tl.load(
@@ -97,7 +97,7 @@ def _doc_tile_ahead(Codes, code_base, stride_ct, offs_t, Ld):
     before it decodes them: the centroid rows' gather then waits on no load of its own
     tile. nbits 2 only (lik_gen.plan_plaid): H200, 4096 docs, 0.138 -> 0.122 ms dense and
     0.138 -> 0.121 varlen; nbits 4 ran slower with it (best configs 0.177 -> 0.188) and
-    nbits 8 the same (0.208 -> 0.207) (benchmarks/results/plaid_codes_ahead_H200.md)."""
+    nbits 8 the same (0.208 -> 0.207) (commit 32758a0)."""
     return tl.load(Codes + code_base + offs_t * stride_ct, mask=offs_t < Ld, other=0)
 
 
@@ -141,7 +141,7 @@ def _load_doc_tile(
     # tested where packbits put it (no bit reversal): with a gather per dim 12% slower
     # (probe). Against a bit-reversed bucket id, fp16 weights and two selects: H200, 4096
     # docs, 0.165 -> 0.144 ms dense and 0.203 -> 0.146 varlen; the bit tests without the
-    # fill ran 0.180 on both (benchmarks/results/plaid_decode_ab_H200.md).
+    # fill ran 0.180 on both (commit 1779b72).
     fill = tl.where(code_ok, 0.0, float("nan")).to(Centroids.dtype.element_ty)
     centroid = tl.load(centroid_at, mask=valid & code_ok[:, None], other=fill[:, None])
     units, flat = _residual_units(

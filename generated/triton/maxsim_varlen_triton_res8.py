@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 51ab99838e685c19cff428f12f438f844d8355d5e334518424a4f061bdbfaa53
+# body-sha256: c288f94d6a8076d1de6ff589b16e229c84eedf377c8ade43a7a68614a6ed9504
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -64,7 +64,7 @@ def _residual_units(
         # Residuals is the int32 word view of the packed bytes: one vector load of a few
         # words per token, then every dim's bits taken from its word in registers
         # (a load of the byte per dim took twice as long on H100 and H200:
-        # benchmarks/results/plaid_decode_probe.md).
+        # commit 754e23f).
         PER_WORD: tl.constexpr = 32 // 8
         offs_w = tl.arange(0, offs_k.shape[0] // PER_WORD)
         words = tl.load(
@@ -159,7 +159,7 @@ def _load_doc_tile(
     # The 16 or 256 weights held in registers, each dim's bucket picking its own (tl.gather,
     # through shared memory) rather than a global load per dim: H200, GPU time, 4096 docs
     # 0.179 -> 0.159 ms nbits 4 and 0.189 -> 0.178 nbits 8, dense; 5-6% at 1000 docs
-    # (benchmarks/results/plaid_weight_gather_H200.md). A select tree over 16 lost to the
+    # (commit 3625d6d). A select tree over 16 lost to the
     # global load.
     slot = tl.arange(0, 256)
     table = tl.load(BucketWeights + _reversed_bits(slot, 8) * stride_wb)
