@@ -35,9 +35,10 @@ INTEGRATIONS := pylate==1.6.0 colpali-engine==0.3.18 \
 ST6 := $(VENV)/st6
 ST6_PIN := sentence-transformers==6.2.0
 ST6_STAMP := $(ST6)/.lik-st6-done
-# The clients' sdists (their test suites), downloaded once and checked against the sha256
-# pins in tests/clients/run_client_suites.py.
+# The clients' sdists (their test suites), downloaded at setup and checked against the
+# sha256 pins in tests/clients/run_client_suites.py, so the test runs need no network.
 CLIENT_SDISTS := $(VENV)/client-sdists
+CLIENT_SDISTS_STAMP := $(CLIENT_SDISTS)/.lik-sdists-done
 
 .PHONY: setup setup-demo setup-test setup-integrations setup-st6 generate check lint test \
 	test-clients test-st6 demo bench soak tune test-gpu clean
@@ -54,7 +55,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -e '.[gen,triton]'
 	touch $@
 
-setup-test: $(TEST_STAMP) $(INTEGRATIONS_STAMP) $(ST6_STAMP)
+setup-test: $(TEST_STAMP) $(INTEGRATIONS_STAMP) $(ST6_STAMP) $(CLIENT_SDISTS_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	$(VPY) -m pip install -e '.[dev]'
@@ -72,6 +73,10 @@ setup-st6: $(ST6_STAMP)
 $(ST6_STAMP): $(TEST_STAMP) Makefile
 	rm -rf $(ST6)
 	$(VPY) -m pip install --no-deps --target $(ST6) $(ST6_PIN)
+	touch $@
+
+$(CLIENT_SDISTS_STAMP): $(TEST_STAMP) tests/clients/run_client_suites.py
+	$(VPY) tests/clients/run_client_suites.py --cache $(CLIENT_SDISTS) --fetch-only
 	touch $@
 
 generate: setup-demo

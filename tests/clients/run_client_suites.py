@@ -19,6 +19,7 @@ is off (HF_HUB_OFFLINE=1): tests that need a model or a data set fail at once, i
 run alike, instead of retrying a network that is not there.
 
     python tests/clients/run_client_suites.py [--cache DIR] [--work DIR] [--client NAME]
+    python tests/clients/run_client_suites.py --cache DIR --fetch-only   (setup: download)
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ INTERPRETED_DIFFERENCES = {
     "colpali": {
         f"tests.utils.test_maxsim::test_maxsim_{layout}_matches_einsum_baseline[{dtype}]": (
             "asserts that a CPU call is colpali-engine's fp16/bf16 einsum to atol 2e-2 on "
-            "scores near 80; lik's kernel rounds once from fp32, one half-precision step "
+            "scores of 40 to 70; lik's kernel rounds once from fp32, one half-precision step "
             "(0.03125 fp16, 0.25 bf16) away. On a CPU without the interpreter lik leaves "
             "these calls to the einsum, as colpali-engine's own kernel backend does"
         )
@@ -195,12 +196,23 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "lik-sdists")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--client", choices=list(CLIENTS), action="append")
+    parser.add_argument("--fetch-only", action="store_true", help="download, run nothing")
     args = parser.parse_args(argv)
-    work = args.work or Path(tempfile.mkdtemp(prefix="lik-client-suites-"))
+    if args.fetch_only:
+        for name in args.client or list(CLIENTS):
+            print(fetch(CLIENTS[name], args.cache))
+        return 0
+    if args.work is not None:
+        return run_all(args.client or list(CLIENTS), args.cache, args.work)
+    with tempfile.TemporaryDirectory(prefix="lik-client-suites-") as work:
+        return run_all(args.client or list(CLIENTS), args.cache, Path(work))
+
+
+def run_all(names: list[str], cache: Path, work: Path) -> int:
     checked = changed = 0
-    for name in args.client or list(CLIENTS):
+    for name in names:
         client = CLIENTS[name]
-        root = unpack(client, fetch(client, args.cache), work)
+        root = unpack(client, fetch(client, cache), work)
         print(f"{client.requirement}: {' '.join(client.selection)}", flush=True)
         results = {}
         for run in RUNS:
@@ -210,6 +222,12 @@ def main(argv=None) -> int:
                 reach = (f"; calls reaching a routed twin {counts['reached_a_twin']}, "
                          f"scored by lik {counts['lik_scored']}")  # fmt: skip
             print(f"  {run:<12} {_tally(results[run])} ({elapsed:.0f} s{reach})", flush=True)
+            if run == "plain" and "passed" not in results[run].values():
+                print("  plain: no test passed (the suite did not run)")
+                changed += 1
+            if run != "plain" and not counts.get("reached_a_twin"):
+                print(f"  {run}: no call reached a routed twin (the integration was not on)")
+                changed += 1
         for run in ("enabled", "interpreted"):
             allowed = INTERPRETED_DIFFERENCES.get(name, {}) if run == "interpreted" else {}
             for reason in sorted(set(allowed.values())):
