@@ -344,6 +344,25 @@ def test_similarity_function_names(lik_path, lik_calls):
     assert lik_calls == ["maxsim_varlen", "maxsim_varlen"]
 
 
+@pytest.mark.parametrize("fn_name", ["maxsim", "meanmaxsim"])
+@pytest.mark.parametrize("method", ["similarity", "similarity_pairwise"])
+def test_a_model_loaded_before_enable_scores_through_lik(lik_path, lik_calls, method, fn_name):
+    """MultiVectorEncoder holds the function its similarity_fn_name named when set: the
+    class's methods are routed, so a model made before enable() reaches lik as well."""
+    from types import SimpleNamespace
+
+    from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
+
+    pairwise = method == "similarity_pairwise"
+    model = SimpleNamespace(similarity_fn_name=fn_name)  # its state, set before enabling
+    model._similarity = similarity.SimilarityFunction.to_similarity_fn(fn_name)
+    model._similarity_pairwise = similarity.SimilarityFunction.to_similarity_pairwise_fn(fn_name)
+    g = _g(15)
+    a, b = _ragged([3, 4, 2], g, 1.0), _ragged([5, 2, 3] if pairwise else [5, 2], g, -1.0)
+    _compare(lambda a, b: getattr(MultiVectorEncoder, method)(model, a, b), [a, b])
+    assert lik_calls == ["score_pairs_packed" if pairwise else "maxsim_varlen"]
+
+
 # Losses, through a stand-in model: token ids -> rows of a learnable table, a scoring mask
 # with holes (a skiplist id), as MultiVectorMask writes it into attention_mask.
 QUERY_WORDS, DOC_WORDS, PAD_ID, SKIP_ID = range(1, 20), range(20, 40), 0, 27
@@ -584,7 +603,10 @@ def _st_holders():
 
 def test_enable_and_disable_swap_by_identity():
     from sentence_transformers.multi_vector_encoder.losses import distill_kl_div
+    from sentence_transformers.multi_vector_encoder.model import MultiVectorEncoder
 
+    methods = {name: vars(MultiVectorEncoder)[name]
+               for name in ("similarity", "similarity_pairwise")}  # fmt: skip
     holders = _st_holders()
     assert (similarity, "maxsim") in holders and (scoring, "colbert_scores") in holders
     assert (distill_kl_div, "colbert_kd_scores") in holders
@@ -594,9 +616,13 @@ def test_enable_and_disable_swap_by_identity():
     for module, name in holders:
         twin = getattr(module, name)
         assert twin is not ORIGINALS[name] and twin.__wrapped__ is ORIGINALS[name]
+    for name, method in methods.items():
+        assert vars(MultiVectorEncoder)[name].__wrapped__ is method
     lik_st.disable()
     for module, name in holders:
         assert getattr(module, name) is ORIGINALS[name]
+    for name, method in methods.items():
+        assert vars(MultiVectorEncoder)[name] is method
 
 
 def test_context_manager_restores_the_previous_state():

@@ -1,8 +1,10 @@
 """Sentence Transformers 6 multi-vector scoring through lik.
 
 `enable()` routes `sentence_transformers.util.similarity.maxsim` and `maxsim_pairwise`
-(so `mean_maxsim`, `mean_maxsim_pairwise`, `SimilarityFunction` "maxsim" and
-"meanmaxsim", and `MultiVectorEncoder.similarity`), and the multi-vector scoring of
+(so `mean_maxsim`, `mean_maxsim_pairwise` and `SimilarityFunction` "maxsim" and
+"meanmaxsim"), `MultiVectorEncoder.similarity` and `similarity_pairwise` (patched on the
+class: a model keeps the function its `similarity_fn_name` named when set, so one loaded
+before enable() reaches lik too), and the multi-vector scoring of
 `sentence_transformers.multi_vector_encoder.scoring`: `colbert_scores` (the default
 `similarity_fct` of the MultipleNegativesRanking losses, cached or not) becomes one
 in-batch launch over the flattened document groups instead of a `maxsim` call per group,
@@ -305,11 +307,36 @@ def _colbert_kd_scores(queries_embeddings, documents_embeddings, queries_mask=No
     return scores
 
 
+_KEYWORDS = {"a_mask", "b_mask", "chunk_elements", "length_normalize", "device"}
+
+
+def _model_scores(adapter, model, embeddings1, embeddings2, kwargs):
+    """MultiVectorEncoder.similarity(_pairwise): the model's function, looked up now. A
+    model holds the function its similarity_fn_name named when it was set, so one built
+    before enable() would keep ST's own; maxsim and meanmaxsim are routed here."""
+    name = model.similarity_fn_name
+    if name not in ("maxsim", "meanmaxsim") or not set(kwargs) <= _KEYWORDS:
+        return None
+    kwargs = {"length_normalize": name == "meanmaxsim", **kwargs}
+    return adapter(embeddings1, embeddings2, **kwargs)
+
+
+def _model_similarity(self, embeddings1, embeddings2, **kwargs):
+    return _model_scores(_maxsim, self, embeddings1, embeddings2, kwargs)
+
+
+def _model_similarity_pairwise(self, embeddings1, embeddings2, **kwargs):
+    return _model_scores(_maxsim_pairwise, self, embeddings1, embeddings2, kwargs)
+
+
+_MODEL = "sentence_transformers.multi_vector_encoder.model:MultiVectorEncoder"
 _ROUTES = {
     f"{_SIMILARITY}:maxsim": _maxsim,
     f"{_SIMILARITY}:maxsim_pairwise": _maxsim_pairwise,
     f"{_COLBERT}:colbert_scores": _colbert_scores,
     f"{_COLBERT}:colbert_kd_scores": _colbert_kd_scores,
+    f"{_MODEL}.similarity": _model_similarity,
+    f"{_MODEL}.similarity_pairwise": _model_similarity_pairwise,
 }
 
 
