@@ -24,14 +24,17 @@ def inv_l2_norm(x):
 
 @triton.jit
 def normalize_backward(x, grad):
-    """Gradient through y = x / max(||x||, 1e-12), per row, from grad = dL/dy (fp32 tiles)."""
+    """Gradient through y = x / max(||x||, 1e-12), per row, from grad = dL/dy (fp32 tiles).
+    A row that takes no gradient (grad all 0: a masked token, one that won nothing) gets
+    exactly 0 whatever x holds, so NaN or inf in padding stays out of the gradients."""
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     inv = 1.0 / tl.maximum(norm, 1e-12)
     y = x * inv[:, None]
     radial = tl.sum(y * grad, axis=1)
     # Below eps the clamp makes y linear in x: the radial term vanishes.
     radial = tl.where(norm > 1e-12, radial, 0.0)
-    return (grad - y * radial[:, None]) * inv[:, None]
+    takes_gradient = tl.sum(tl.abs(grad), axis=1) != 0  # NaN counts: it stays NaN
+    return tl.where(takes_gradient[:, None], (grad - y * radial[:, None]) * inv[:, None], 0.0)
 
 
 @triton.jit

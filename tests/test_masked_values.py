@@ -5,7 +5,9 @@ written in lik.runtime.reference's docstring).
   states of the fused head, PLAID tokens past a doc's length) holding NaN, inf or huge
   values give the scores and gradients of the same call with zeros there, exactly, and
   the gradient at a masked position is exactly 0. A matrix over layout x mask side x
-  backward x normalize x token score, on the reference path.
+  backward x normalize x token score, on both CPU paths: the reference with every
+  poison, the generated kernels under the interpreter with NaN and inf (-inf and huge
+  values take the same kernel code, and the interpreter is slow).
 - A valid token's -inf similarity row is a real -inf, unlike "no valid doc token", which
   adds 0; whether a mask is passed does not change a score. On both CPU paths: the
   kernels still treat an all -inf row as "no valid doc token" (the kernel fix of the
@@ -24,6 +26,7 @@ from lik.runtime.plaid import maxsim_residual, packed_bytes
 
 NAN, INF = float("nan"), float("inf")
 POISONS = {"nan": NAN, "inf": INF, "-inf": -INF, "huge": 3e38}
+INTERPRETED_POISONS = ("nan", "inf")
 SIDES = ("q", "d", "qd")
 
 
@@ -31,12 +34,21 @@ SIDES = ("q", "d", "qd")
 # point here.
 def quiet_numpy(test):
     test = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")(test)
+    test = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")(test)
     return pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")(test)
 
 
 @pytest.fixture
 def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _paths_and_poisons():
+    """(path, poison) pairs of the padding matrices: every poison on the reference path,
+    INTERPRETED_POISONS under the interpreter."""
+    pairs = [("reference", poison) for poison in POISONS]
+    pairs += [("interpreter", poison) for poison in INTERPRETED_POISONS]
+    return [pytest.param(path, poison, id=f"{path}-{poison}") for path, poison in pairs]
 
 
 def _masks(layout, Nq, Lq, K, Ld, g):
@@ -95,13 +107,13 @@ def _assert_padding_is_inert(call, poisoned, clean, masks):
         assert torch.equal(grad, want_grad), f"input {i}: gradient differs from the clean one"
 
 
-@pytest.mark.usefixtures("reference_path")
-@pytest.mark.parametrize("poison", list(POISONS))
+@quiet_numpy
+@pytest.mark.parametrize("lik_path, poison", _paths_and_poisons(), indirect=["lik_path"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("backward", ["unified", "lowmem"])
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("layout", ["dense", "kd", "pairs"])
-def test_padding_never_reaches_maxsim(layout, side, backward, normalize, poison):
+def test_padding_never_reaches_maxsim(layout, side, backward, normalize, lik_path, poison):
     Q, D, _, q_mask, d_mask = _inputs(layout, side)
     value = POISONS[poison]
     Qp = Q if q_mask is None else _poison(Q, q_mask, value)
@@ -125,13 +137,13 @@ def _scored(score, q_mask, d_mask, normalize, pairs):
     return lambda q, d: variants.maxsim_topk_mean(q, d, k=3, **kw)
 
 
-@pytest.mark.usefixtures("reference_path")
-@pytest.mark.parametrize("poison", list(POISONS))
+@quiet_numpy
+@pytest.mark.parametrize("lik_path, poison", _paths_and_poisons(), indirect=["lik_path"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("layout", ["dense", "pairs"])
 @pytest.mark.parametrize("score", ["weighted", "smooth", "topk_mean"])
-def test_padding_never_reaches_a_token_score(score, layout, side, normalize, poison):
+def test_padding_never_reaches_a_token_score(score, layout, side, normalize, lik_path, poison):
     """Padded weights follow the rule too: a masked query token's weight is padding."""
     Q, D, weights, q_mask, d_mask = _inputs(layout, side)
     value = POISONS[poison]

@@ -592,6 +592,53 @@ def test_training_through_the_api_runs_the_metal_kernels(fake_mps, monkeypatch, 
     assert relative_error(D.grad, D64.grad) < fp32_bound(v["dtype"])
 
 
+# --- padding and non-finite values (the rule of lik.runtime.reference's docstring) --------
+
+# An executed lowmem variant with a mask per layout (the call's masks, dtype and normalize
+# pick it).
+PADDED_TRAINING = {
+    "dense": "maxsim_dense_qdmask_fp32_metal_norm_lowmem",
+    "kd": "maxsim_kd_dmask_fp16_metal_lowmem",
+    "pairs": "maxsim_pairs_qdmask_bf16_metal_norm_lowmem",
+}
+
+
+def _filled(X, mask, value):
+    """X with its masked tokens set to value."""
+    if mask is None:
+        return X
+    return torch.where(mask[..., None], X, torch.tensor(value, dtype=X.dtype))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("layout", list(PADDED_TRAINING))
+def test_padding_never_reaches_scores_or_gradients(fake_mps, monkeypatch, layout, poison):
+    """Masked tokens holding NaN or inf give the scores and gradients of zeros there,
+    exactly, and the gradient at a masked position is exactly 0 (through normalize's
+    backward too)."""
+    _, compiled = fake_mps
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")
+    name = PADDED_TRAINING[layout]
+    v = parse(name)
+    Q, D, q_mask, d_mask = make_inputs(layout, v["dtype"], 3, 4, 11, 13, 16,
+                                       v["has_q_mask"], v["has_d_mask"], seed=4)  # fmt: skip
+    call = api.maxsim_pairs if layout == "pairs" else api.maxsim
+
+    def run(Q, D):
+        Q, D = Q.clone().requires_grad_(), D.clone().requires_grad_()
+        out = call(Q, D, q_mask, d_mask, normalize=v["normalize"], backward="lowmem")
+        out.backward(torch.linspace(0.5, 1.5, out.numel()).view(out.shape))
+        return out.detach(), Q.grad, D.grad
+
+    poisoned = run(_filled(Q, q_mask, poison), _filled(D, d_mask, poison))
+    clean = run(_filled(Q, q_mask, 0.0), _filled(D, d_mask, 0.0))
+    assert set(compiled) == {name}
+    assert poisoned[0].isfinite().all() and torch.equal(poisoned[0], clean[0])
+    for got, want, mask in zip(poisoned[1:], clean[1:], (q_mask, d_mask), strict=True):
+        assert got.isfinite().all() and torch.equal(got, want)
+        assert mask is None or (got[~mask] == 0).all()
+
+
 def test_launch_grid_and_scalar_arguments(fake_mps):
     calls, _ = fake_mps
     Q, D, _, _ = make_inputs("dense", torch.float32, 5, 7, 16, 20, 24, False, False)

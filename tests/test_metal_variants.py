@@ -250,6 +250,49 @@ def test_non_finite_inputs_never_score_finite(fake_mps, score):
     assert torch.isfinite(out[:, [0, 2]]).all() and torch.isnan(out[:, 1]).all()
 
 
+# Executed training variants with both masks, one per score (the call picks them).
+PADDED_SCORES = (
+    "maxsim_dense_qdmask_fp32_metal_norm_lowmem_weighted",
+    "maxsim_pairs_qdmask_fp32_metal_lowmem_weighted",
+    "maxsim_dense_qdmask_fp32_metal_norm_lowmem_smooth",
+    "maxsim_dense_qdmask_bf16_metal_norm_lowmem_topkmean",
+)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", PADDED_SCORES)
+def test_padding_never_reaches_scores_or_gradients(fake_mps, name, poison):
+    """Masked tokens and the weights of masked query tokens holding NaN or inf give the
+    scores and gradients (grad_W too) of zeros there, exactly; the gradient at a masked
+    position is exactly 0."""
+    _, compiled = fake_mps
+    v = parse(name)
+    Q, D, q_mask, d_mask, params = make_inputs(v, 3, 4, 7, 13, 16, seed=6)
+
+    def filled(X, mask, value):
+        return torch.where(mask[..., None], X, torch.tensor(value, dtype=X.dtype))
+
+    def run(value):
+        Qp = filled(Q, q_mask, value).requires_grad_()
+        Dp = filled(D, d_mask, value).requires_grad_()
+        given = dict(params)
+        if "weights" in given:
+            given["weights"] = torch.where(q_mask, given["weights"], value).requires_grad_()
+        out = call(v, Qp, Dp, q_mask, d_mask, given)
+        out.backward(torch.linspace(0.5, 1.5, out.numel()).view(out.shape))
+        grads = [Qp.grad, Dp.grad] + ([given["weights"].grad] if "weights" in given else [])
+        return out.detach(), grads
+
+    out, grads = run(poison)
+    want, want_grads = run(0.0)
+    assert set(compiled) == {name}
+    assert out.isfinite().all() and torch.equal(out, want)
+    masks = (q_mask, d_mask, q_mask)[: len(grads)]
+    for got, expected, mask in zip(grads, want_grads, masks, strict=True):
+        assert got.isfinite().all() and torch.equal(got, expected)
+        assert (got[~mask] == 0).all()
+
+
 def test_strided_inputs_bind_their_strides(fake_mps, monkeypatch):
     # Q a non-contiguous view (every other query token), D transposed in memory: the
     # packed stride array and the one-by-one strides must both carry the real strides.

@@ -2,7 +2,7 @@
 // kernel: metal-common
 // spec: {}
 // templates: metal/common.metal.j2, metal/partials/elements.metal.j2, metal/partials/fragments.metal.j2, metal/partials/rows.metal.j2
-// body-sha256: 1fd1709c23f060105472b9f04e3a9f0cd1d33f5ba83051fc5eb85399db76476d
+// body-sha256: 2ad85d63818a57bdfd9d48b141c7c40328328d2d9379a1d482f03a5945749e6e
 
 // The MSL helpers and constants every generated Metal kernel shares. lik.runtime.metal
 // compiles each variant as its preamble (HAS_Q_MASK, HAS_D_MASK, NORMALIZE and Element),
@@ -174,8 +174,17 @@ inline void normalize_row(thread float* row) {
     }
 }
 
-// Gradient through y = x / max(||x||, eps), in place: grad = dL/dy in, dL/dx out.
+// Gradient through y = x / max(||x||, eps), in place: grad = dL/dy in, dL/dx out. A row
+// that takes no gradient (grad all 0: a masked token, one that won nothing) stays exactly
+// 0 whatever x holds, so NaN or inf in padding stays out of the gradients.
 inline void normalize_backward(thread const float* x, thread float* grad) {
+    bool takes_gradient = false;
+    for (uint j = 0; j < DIMS_PER_LANE; ++j) {
+        takes_gradient = takes_gradient || grad[j] != 0.0f;  // NaN counts: it stays NaN
+    }
+    if (!simd_any(takes_gradient)) {
+        return;
+    }
     const float norm = sqrt(row_dot(x, x));
     const float inv = 1.0f / max(norm, NORM_EPS);
     float radial = 0.0f;

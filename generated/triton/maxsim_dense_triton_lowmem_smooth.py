@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: bb0d4af8c367d11400f2f03b43181142220a74662cab4e6482d73f569502b359
+# body-sha256: c8cddca3f240d7885dccf66ce2c285015289182a18a679c06ada3a9607030578
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -253,16 +253,6 @@ def maxsim_dense_triton_lowmem_smooth_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
-        other=0.0,
-    ).to(tl.float32)
-    if NORMALIZE:
-        q_inv_norm = inv_l2_norm(q_raw)
-        q_hat = q_raw * q_inv_norm[:, None]
-    else:
-        q_hat = q_raw
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -270,6 +260,16 @@ def maxsim_dense_triton_lowmem_smooth_bwd_q_kernel(
         )
     else:
         q_valid = q_in_range
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask & q_valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if NORMALIZE:
+        q_inv_norm = inv_l2_norm(q_raw)
+        q_hat = q_raw * q_inv_norm[:, None]
+    else:
+        q_hat = q_raw
     q_weight = q_valid.to(tl.float32)
 
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
@@ -288,11 +288,6 @@ def maxsim_dense_triton_lowmem_smooth_bwd_q_kernel(
             d_raw = _load_doc_tile(
                 D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
             ).to(tl.float32)
-            if NORMALIZE:
-                d_inv_norm = inv_l2_norm(d_raw)
-                d_hat = d_raw * d_inv_norm[:, None]
-            else:
-                d_hat = d_raw
             if HAS_D_MASK:
                 t_valid = (offs_t < Ld) & (
                     tl.load(
@@ -300,8 +295,14 @@ def maxsim_dense_triton_lowmem_smooth_bwd_q_kernel(
                     )
                     != 0
                 )
+                d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
             else:
                 t_valid = offs_t < Ld
+            if NORMALIZE:
+                d_inv_norm = inv_l2_norm(d_raw)
+                d_hat = d_raw * d_inv_norm[:, None]
+            else:
+                d_hat = d_raw
 
             sim = tl.dot(
                 q_raw.to(DOT_DTYPE), tl.trans(d_raw.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -310,7 +311,7 @@ def maxsim_dense_triton_lowmem_smooth_bwd_q_kernel(
                 sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
             p = _score_grad(sim, offs_t, saved, tau, 1, 1)
-            p = tl.where(t_valid[None, :], p, 0.0)
+            p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
             grad_q += tl.dot(
                 (g * p).to(DOT_DTYPE), d_hat.to(DOT_DTYPE), input_precision=INPUT_PRECISION
@@ -380,17 +381,18 @@ def maxsim_dense_triton_lowmem_smooth_bwd_d_kernel(
     d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
         tl.float32
     )
+    if HAS_D_MASK:
+        t_valid = (offs_t < Ld) & (
+            tl.load(d_mask + doc * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        )
+        d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
+    else:
+        t_valid = offs_t < Ld
     if NORMALIZE:
         d_inv_norm = inv_l2_norm(d_raw)
         d_hat = d_raw * d_inv_norm[:, None]
     else:
         d_hat = d_raw
-    if HAS_D_MASK:
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + doc * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
-        )
-    else:
-        t_valid = offs_t < Ld
 
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     # Every query scored this doc: visit them in a fixed order (deterministic sum).
@@ -403,16 +405,6 @@ def maxsim_dense_triton_lowmem_smooth_bwd_d_kernel(
             other=float("-inf"),
         )
 
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if NORMALIZE:
-            q_inv_norm = inv_l2_norm(q_raw)
-            q_hat = q_raw * q_inv_norm[:, None]
-        else:
-            q_hat = q_raw
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -420,6 +412,16 @@ def maxsim_dense_triton_lowmem_smooth_bwd_d_kernel(
             )
         else:
             q_valid = q_in_range
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask & q_valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        if NORMALIZE:
+            q_inv_norm = inv_l2_norm(q_raw)
+            q_hat = q_raw * q_inv_norm[:, None]
+        else:
+            q_hat = q_raw
         q_weight = q_valid.to(tl.float32)
 
         sim = tl.dot(
@@ -429,7 +431,7 @@ def maxsim_dense_triton_lowmem_smooth_bwd_d_kernel(
             sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         p = _score_grad(sim, offs_t, saved, tau, 1, 1)
-        p = tl.where(t_valid[None, :], p, 0.0)
+        p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
         routed = p * (g * q_weight)[:, None]  # [BLOCK_Q, BLOCK_L]
         grad_d += tl.dot(

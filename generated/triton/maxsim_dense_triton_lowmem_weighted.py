@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 173ea7c0b4c9a67318e4091fe5f9a28d61b4daae19fbb9f17e2ddf121f8d46df
+# body-sha256: f5a8f6f31d4ab69bf5b813d7215fae4f7ad496121de9c5f12543ae28f132edd0
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -164,7 +164,8 @@ def maxsim_dense_triton_lowmem_weighted_fwd_kernel(
         q_valid = q_in_range
     if NORMALIZE:
         q_scale = inv_l2_norm(q.to(tl.float32))
-    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0)
+    # A masked query token's weight is padding: it may hold NaN, and adds 0.
+    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_valid, other=0.0)
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
@@ -261,16 +262,6 @@ def maxsim_dense_triton_lowmem_weighted_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
-        other=0.0,
-    ).to(tl.float32)
-    if NORMALIZE:
-        q_inv_norm = inv_l2_norm(q_raw)
-        q_hat = q_raw * q_inv_norm[:, None]
-    else:
-        q_hat = q_raw
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -278,6 +269,16 @@ def maxsim_dense_triton_lowmem_weighted_bwd_q_kernel(
         )
     else:
         q_valid = q_in_range
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask & q_valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if NORMALIZE:
+        q_inv_norm = inv_l2_norm(q_raw)
+        q_hat = q_raw * q_inv_norm[:, None]
+    else:
+        q_hat = q_raw
     q_weight = tl.where(
         q_valid,
         tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0),
@@ -301,11 +302,6 @@ def maxsim_dense_triton_lowmem_weighted_bwd_q_kernel(
             d_raw = _load_doc_tile(
                 D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
             ).to(tl.float32)
-            if NORMALIZE:
-                d_inv_norm = inv_l2_norm(d_raw)
-                d_hat = d_raw * d_inv_norm[:, None]
-            else:
-                d_hat = d_raw
             if HAS_D_MASK:
                 t_valid = (offs_t < Ld) & (
                     tl.load(
@@ -313,8 +309,14 @@ def maxsim_dense_triton_lowmem_weighted_bwd_q_kernel(
                     )
                     != 0
                 )
+                d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
             else:
                 t_valid = offs_t < Ld
+            if NORMALIZE:
+                d_inv_norm = inv_l2_norm(d_raw)
+                d_hat = d_raw * d_inv_norm[:, None]
+            else:
+                d_hat = d_raw
 
             sim = tl.dot(
                 q_raw.to(DOT_DTYPE), tl.trans(d_raw.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -323,7 +325,7 @@ def maxsim_dense_triton_lowmem_weighted_bwd_q_kernel(
                 sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
             p = _score_grad(sim, offs_t, saved, 1.0, 1, 1)
-            p = tl.where(t_valid[None, :], p, 0.0)
+            p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
             grad_w += g * tl.sum(p * tl.where(t_valid[None, :], sim, 0.0), axis=1)
             grad_q += tl.dot(
@@ -402,17 +404,18 @@ def maxsim_dense_triton_lowmem_weighted_bwd_d_kernel(
     d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
         tl.float32
     )
+    if HAS_D_MASK:
+        t_valid = (offs_t < Ld) & (
+            tl.load(d_mask + doc * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
+        )
+        d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
+    else:
+        t_valid = offs_t < Ld
     if NORMALIZE:
         d_inv_norm = inv_l2_norm(d_raw)
         d_hat = d_raw * d_inv_norm[:, None]
     else:
         d_hat = d_raw
-    if HAS_D_MASK:
-        t_valid = (offs_t < Ld) & (
-            tl.load(d_mask + doc * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0) != 0
-        )
-    else:
-        t_valid = offs_t < Ld
 
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     # Every query scored this doc: visit them in a fixed order (deterministic sum).
@@ -425,16 +428,6 @@ def maxsim_dense_triton_lowmem_weighted_bwd_d_kernel(
             other=-1,
         )
 
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if NORMALIZE:
-            q_inv_norm = inv_l2_norm(q_raw)
-            q_hat = q_raw * q_inv_norm[:, None]
-        else:
-            q_hat = q_raw
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -442,6 +435,16 @@ def maxsim_dense_triton_lowmem_weighted_bwd_d_kernel(
             )
         else:
             q_valid = q_in_range
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask & q_valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        if NORMALIZE:
+            q_inv_norm = inv_l2_norm(q_raw)
+            q_hat = q_raw * q_inv_norm[:, None]
+        else:
+            q_hat = q_raw
         q_weight = tl.where(
             q_valid,
             tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0),
@@ -455,7 +458,7 @@ def maxsim_dense_triton_lowmem_weighted_bwd_d_kernel(
             sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         p = _score_grad(sim, offs_t, saved, 1.0, 1, 1)
-        p = tl.where(t_valid[None, :], p, 0.0)
+        p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
         routed = p * (g * q_weight)[:, None]  # [BLOCK_Q, BLOCK_L]
         grad_d += tl.dot(

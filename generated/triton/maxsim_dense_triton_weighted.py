@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: df439537413fc0391b84b79f146fdad94417122a9a630304f29b86ed4278a769
+# body-sha256: 27f0b8336f0cdaff2d904a97f97dd996351c024199e77ab58e3387acaa37205a
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -160,7 +160,8 @@ def maxsim_dense_triton_weighted_fwd_kernel(
         q_valid = q_in_range
     if NORMALIZE:
         q_scale = inv_l2_norm(q.to(tl.float32))
-    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0)
+    # A masked query token's weight is padding: it may hold NaN, and adds 0.
+    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_valid, other=0.0)
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb

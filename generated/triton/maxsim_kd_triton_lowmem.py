@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0ab7f067c956def03744de65a82a4ab5c0e00412b5da5b4b49b2b78981bfb48a
+# body-sha256: bb717a71c8446e3c111cdcb46352edaa8aee16ffb7a9251eb07ae75d7a4c2adc
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -288,9 +288,11 @@ def maxsim_kd_triton_lowmem_bwd_d_kernel(
         mask=q_in_range,
         other=-1,
     )
+    # Only the query tokens that won a doc token are read: a masked one may hold NaN,
+    # which the one-hot's 0 would not cancel in the dot (0 * NaN is NaN).
     q = tl.load(
         Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
+        mask=q_tile_mask & (index >= 0)[:, None],
         other=0.0,
     )
     if NORMALIZE:

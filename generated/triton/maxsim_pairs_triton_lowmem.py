@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 133308ff22d19e5a1c9dbbea358f5a6a625e70cbd7932946c20967f3471f5f38
+# body-sha256: df89c89ecb75f101e5ddf7cec822efc39e655e0b63c2af87ad8bbbcf7c623a5f
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -268,9 +268,11 @@ def maxsim_pairs_triton_lowmem_bwd_d_kernel(
         mask=q_in_range,
         other=-1,
     )
+    # Only the query tokens that won a doc token are read: a masked one may hold NaN,
+    # which the one-hot's 0 would not cancel in the dot (0 * NaN is NaN).
     q = tl.load(
         Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
+        mask=q_tile_mask & (index >= 0)[:, None],
         other=0.0,
     )
     if NORMALIZE:

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: ebf6a2255c52adac0f286adb325d73a0454bb19ad5a9781f74634be52f4e81fb
+# body-sha256: 8187056027a3ae5d52ccbde2e1059508a53f1cddefb17f5d910938081371d7d1
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -238,16 +238,6 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
-        other=0.0,
-    ).to(tl.float32)
-    if NORMALIZE:
-        q_inv_norm = inv_l2_norm(q_raw)
-        q_hat = q_raw * q_inv_norm[:, None]
-    else:
-        q_hat = q_raw
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -255,6 +245,16 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_q_kernel(
         )
     else:
         q_valid = q_in_range
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask & q_valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if NORMALIZE:
+        q_inv_norm = inv_l2_norm(q_raw)
+        q_hat = q_raw * q_inv_norm[:, None]
+    else:
+        q_hat = q_raw
     q_weight = q_valid.to(tl.float32)
 
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
@@ -271,11 +271,6 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_q_kernel(
             d_raw = _load_doc_tile(
                 D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
             ).to(tl.float32)
-            if NORMALIZE:
-                d_inv_norm = inv_l2_norm(d_raw)
-                d_hat = d_raw * d_inv_norm[:, None]
-            else:
-                d_hat = d_raw
             if HAS_D_MASK:
                 t_valid = (offs_t < Ld) & (
                     tl.load(
@@ -283,8 +278,14 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_q_kernel(
                     )
                     != 0
                 )
+                d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
             else:
                 t_valid = offs_t < Ld
+            if NORMALIZE:
+                d_inv_norm = inv_l2_norm(d_raw)
+                d_hat = d_raw * d_inv_norm[:, None]
+            else:
+                d_hat = d_raw
 
             sim = tl.dot(
                 q_raw.to(DOT_DTYPE), tl.trans(d_raw.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -293,7 +294,7 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_q_kernel(
                 sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
             p = _score_grad(sim, offs_t, saved, tau, 1, 1)
-            p = tl.where(t_valid[None, :], p, 0.0)
+            p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
             grad_q += tl.dot(
                 (g * p).to(DOT_DTYPE), d_hat.to(DOT_DTYPE), input_precision=INPUT_PRECISION
@@ -360,18 +361,19 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_d_kernel(
     d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
         tl.float32
     )
-    if NORMALIZE:
-        d_inv_norm = inv_l2_norm(d_raw)
-        d_hat = d_raw * d_inv_norm[:, None]
-    else:
-        d_hat = d_raw
     if HAS_D_MASK:
         t_valid = (offs_t < Ld) & (
             tl.load(d_mask + query * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0)
             != 0
         )
+        d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
     else:
         t_valid = offs_t < Ld
+    if NORMALIZE:
+        d_inv_norm = inv_l2_norm(d_raw)
+        d_hat = d_raw * d_inv_norm[:, None]
+    else:
+        d_hat = d_raw
 
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for _ in range(0, 1):  # the one query that scored this doc
@@ -380,16 +382,6 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_d_kernel(
             Saved + query * stride_svb + offs_s * stride_svs, mask=q_in_range, other=float("-inf")
         )
 
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if NORMALIZE:
-            q_inv_norm = inv_l2_norm(q_raw)
-            q_hat = q_raw * q_inv_norm[:, None]
-        else:
-            q_hat = q_raw
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -397,6 +389,16 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_d_kernel(
             )
         else:
             q_valid = q_in_range
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask & q_valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        if NORMALIZE:
+            q_inv_norm = inv_l2_norm(q_raw)
+            q_hat = q_raw * q_inv_norm[:, None]
+        else:
+            q_hat = q_raw
         q_weight = q_valid.to(tl.float32)
 
         sim = tl.dot(
@@ -406,7 +408,7 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_d_kernel(
             sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         p = _score_grad(sim, offs_t, saved, tau, 1, 1)
-        p = tl.where(t_valid[None, :], p, 0.0)
+        p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
         routed = p * (g * q_weight)[:, None]  # [BLOCK_Q, BLOCK_L]
         grad_d += tl.dot(

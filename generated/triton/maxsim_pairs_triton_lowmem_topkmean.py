@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 81b0af13b50c54b0a5c27e15a3b28af08e21f82dae4d3f16eb5c3a68c6e11b07
+# body-sha256: bb21ae50a7d8c1ab60a0dcf389e6da8b46ac0c4492dc835d4ed6dd3a5c5da02c
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -268,16 +268,6 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_q_kernel(
     slots = tl.arange(0, TOKEN_SLOTS)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
-        other=0.0,
-    ).to(tl.float32)
-    if NORMALIZE:
-        q_inv_norm = inv_l2_norm(q_raw)
-        q_hat = q_raw * q_inv_norm[:, None]
-    else:
-        q_hat = q_raw
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -285,6 +275,16 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_q_kernel(
         )
     else:
         q_valid = q_in_range
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask & q_valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if NORMALIZE:
+        q_inv_norm = inv_l2_norm(q_raw)
+        q_hat = q_raw * q_inv_norm[:, None]
+    else:
+        q_hat = q_raw
     q_weight = q_valid.to(tl.float32)
 
     grad_q = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.float32)
@@ -305,11 +305,6 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_q_kernel(
             d_raw = _load_doc_tile(
                 D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
             ).to(tl.float32)
-            if NORMALIZE:
-                d_inv_norm = inv_l2_norm(d_raw)
-                d_hat = d_raw * d_inv_norm[:, None]
-            else:
-                d_hat = d_raw
             if HAS_D_MASK:
                 t_valid = (offs_t < Ld) & (
                     tl.load(
@@ -317,8 +312,14 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_q_kernel(
                     )
                     != 0
                 )
+                d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
             else:
                 t_valid = offs_t < Ld
+            if NORMALIZE:
+                d_inv_norm = inv_l2_norm(d_raw)
+                d_hat = d_raw * d_inv_norm[:, None]
+            else:
+                d_hat = d_raw
 
             sim = tl.dot(
                 q_raw.to(DOT_DTYPE), tl.trans(d_raw.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -327,7 +328,7 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_q_kernel(
                 sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
             p = _score_grad(sim, offs_t, saved, 1.0, TOKEN_K, TOKEN_SLOTS)
-            p = tl.where(t_valid[None, :], p, 0.0)
+            p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
             grad_q += tl.dot(
                 (g * p).to(DOT_DTYPE), d_hat.to(DOT_DTYPE), input_precision=INPUT_PRECISION
@@ -397,18 +398,19 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_d_kernel(
     d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
         tl.float32
     )
-    if NORMALIZE:
-        d_inv_norm = inv_l2_norm(d_raw)
-        d_hat = d_raw * d_inv_norm[:, None]
-    else:
-        d_hat = d_raw
     if HAS_D_MASK:
         t_valid = (offs_t < Ld) & (
             tl.load(d_mask + query * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0)
             != 0
         )
+        d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
     else:
         t_valid = offs_t < Ld
+    if NORMALIZE:
+        d_inv_norm = inv_l2_norm(d_raw)
+        d_hat = d_raw * d_inv_norm[:, None]
+    else:
+        d_hat = d_raw
 
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for _ in range(0, 1):  # the one query that scored this doc
@@ -421,16 +423,6 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_d_kernel(
             other=-1,
         )
 
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if NORMALIZE:
-            q_inv_norm = inv_l2_norm(q_raw)
-            q_hat = q_raw * q_inv_norm[:, None]
-        else:
-            q_hat = q_raw
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -438,6 +430,16 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_d_kernel(
             )
         else:
             q_valid = q_in_range
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask & q_valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        if NORMALIZE:
+            q_inv_norm = inv_l2_norm(q_raw)
+            q_hat = q_raw * q_inv_norm[:, None]
+        else:
+            q_hat = q_raw
         q_weight = q_valid.to(tl.float32)
 
         sim = tl.dot(
@@ -447,7 +449,7 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_d_kernel(
             sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         p = _score_grad(sim, offs_t, saved, 1.0, TOKEN_K, TOKEN_SLOTS)
-        p = tl.where(t_valid[None, :], p, 0.0)
+        p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
         routed = p * (g * q_weight)[:, None]  # [BLOCK_Q, BLOCK_L]
         grad_d += tl.dot(

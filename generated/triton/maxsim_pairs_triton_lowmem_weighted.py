@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: c1ef79c20a4fd13925767e3f1c3c3bc879d32f4857e0f7a8c50c5700ea06322a
+# body-sha256: d91a7d86c4803a00703264664cb5e1b257d7ba26c771345ff0754453e5550ac3
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -153,7 +153,8 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
         q_valid = q_in_range
     if NORMALIZE:
         q_scale = inv_l2_norm(q.to(tl.float32))
-    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0)
+    # A masked query token's weight is padding: it may hold NaN, and adds 0.
+    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_valid, other=0.0)
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
@@ -246,16 +247,6 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask,
-        other=0.0,
-    ).to(tl.float32)
-    if NORMALIZE:
-        q_inv_norm = inv_l2_norm(q_raw)
-        q_hat = q_raw * q_inv_norm[:, None]
-    else:
-        q_hat = q_raw
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -263,6 +254,16 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_q_kernel(
         )
     else:
         q_valid = q_in_range
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask & q_valid[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    if NORMALIZE:
+        q_inv_norm = inv_l2_norm(q_raw)
+        q_hat = q_raw * q_inv_norm[:, None]
+    else:
+        q_hat = q_raw
     q_weight = tl.where(
         q_valid,
         tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0),
@@ -282,11 +283,6 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_q_kernel(
             d_raw = _load_doc_tile(
                 D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False
             ).to(tl.float32)
-            if NORMALIZE:
-                d_inv_norm = inv_l2_norm(d_raw)
-                d_hat = d_raw * d_inv_norm[:, None]
-            else:
-                d_hat = d_raw
             if HAS_D_MASK:
                 t_valid = (offs_t < Ld) & (
                     tl.load(
@@ -294,8 +290,14 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_q_kernel(
                     )
                     != 0
                 )
+                d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
             else:
                 t_valid = offs_t < Ld
+            if NORMALIZE:
+                d_inv_norm = inv_l2_norm(d_raw)
+                d_hat = d_raw * d_inv_norm[:, None]
+            else:
+                d_hat = d_raw
 
             sim = tl.dot(
                 q_raw.to(DOT_DTYPE), tl.trans(d_raw.to(DOT_DTYPE)), input_precision=INPUT_PRECISION
@@ -304,7 +306,7 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_q_kernel(
                 sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
             sim = tl.where(t_valid[None, :], sim, float("-inf"))
             p = _score_grad(sim, offs_t, saved, 1.0, 1, 1)
-            p = tl.where(t_valid[None, :], p, 0.0)
+            p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
             grad_w += g * tl.sum(p * tl.where(t_valid[None, :], sim, 0.0), axis=1)
             grad_q += tl.dot(
@@ -380,34 +382,25 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_d_kernel(
     d_raw = _load_doc_tile(D, d_base, offs_t, offs_k, Ld, dim, stride_dt, stride_dk, False).to(
         tl.float32
     )
-    if NORMALIZE:
-        d_inv_norm = inv_l2_norm(d_raw)
-        d_hat = d_raw * d_inv_norm[:, None]
-    else:
-        d_hat = d_raw
     if HAS_D_MASK:
         t_valid = (offs_t < Ld) & (
             tl.load(d_mask + query * stride_dmb + offs_t * stride_dmt, mask=offs_t < Ld, other=0)
             != 0
         )
+        d_raw = tl.where(t_valid[:, None], d_raw, 0.0)
     else:
         t_valid = offs_t < Ld
+    if NORMALIZE:
+        d_inv_norm = inv_l2_norm(d_raw)
+        d_hat = d_raw * d_inv_norm[:, None]
+    else:
+        d_hat = d_raw
 
     grad_d = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for _ in range(0, 1):  # the one query that scored this doc
         g = tl.load(Grad + query * stride_gb)
         saved = tl.load(Saved + query * stride_svb + offs_s * stride_svs, mask=q_in_range, other=-1)
 
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask,
-            other=0.0,
-        ).to(tl.float32)
-        if NORMALIZE:
-            q_inv_norm = inv_l2_norm(q_raw)
-            q_hat = q_raw * q_inv_norm[:, None]
-        else:
-            q_hat = q_raw
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
@@ -415,6 +408,16 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_d_kernel(
             )
         else:
             q_valid = q_in_range
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask & q_valid[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        if NORMALIZE:
+            q_inv_norm = inv_l2_norm(q_raw)
+            q_hat = q_raw * q_inv_norm[:, None]
+        else:
+            q_hat = q_raw
         q_weight = tl.where(
             q_valid,
             tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0),
@@ -428,7 +431,7 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_d_kernel(
             sim = sim * d_inv_norm[None, :] * q_inv_norm[:, None]
         sim = tl.where(t_valid[None, :], sim, float("-inf"))
         p = _score_grad(sim, offs_t, saved, 1.0, 1, 1)
-        p = tl.where(t_valid[None, :], p, 0.0)
+        p = tl.where(q_valid[:, None] & t_valid[None, :], p, 0.0)
 
         routed = p * (g * q_weight)[:, None]  # [BLOCK_Q, BLOCK_L]
         grad_d += tl.dot(

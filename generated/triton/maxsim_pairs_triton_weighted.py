@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 3ac07554f68a8ad423528f80e9a088c270a85ebb12273af3a404320e559e78be
+# body-sha256: 67699df9c2c245280239b07e2ba83ce5ab4edc684bef8bd1aae602eea281c3a5
 
 """MaxSim forward for maxsim_pairs_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -150,7 +150,8 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
         q_valid = q_in_range
     if NORMALIZE:
         q_scale = inv_l2_norm(q.to(tl.float32))
-    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_in_range, other=0.0)
+    # A masked query token's weight is padding: it may hold NaN, and adds 0.
+    weight = tl.load(W + query * stride_wb + offs_s * stride_ws, mask=q_valid, other=0.0)
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
