@@ -8,6 +8,7 @@ Constexpr arguments are specialized per call like a kernel's.
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 
 @triton.jit
@@ -103,6 +104,26 @@ def row_argmax(sim, best, best_index, start, WIDTH: tl.constexpr):
     better = tile_best > best
     best_index = tl.where(better, (start + tile_index).to(tl.int32), best_index)
     return max_keep_nan(best, tile_best), best_index
+
+
+if knobs.runtime.interpret:  # read as triton.jit reads it: the mode the kernels run in
+
+    @triton.jit
+    def row_max_index(sim):
+        """Each row's max of sim [rows, columns] and its earliest column. The interpreter
+        takes this reduction's index with np.nanargmax, which raises on a row of NaN (a NaN
+        query token); NaN reads as -inf here instead. Callers keep NaN in the score by a
+        probe of their own, so only the index of such a row differs from a GPU's."""
+        sim = tl.where(sim != sim, float("-inf"), sim)
+        return tl.max(sim, axis=1, return_indices=True, return_indices_tie_break_left=True)
+
+else:
+
+    @triton.jit
+    def row_max_index(sim):
+        """Each row's max of sim [rows, columns] and its earliest column (tl.max with
+        indices; the interpreter's twin above reads NaN as -inf)."""
+        return tl.max(sim, axis=1, return_indices=True, return_indices_tie_break_left=True)
 
 
 @triton.jit

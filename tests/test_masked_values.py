@@ -160,6 +160,30 @@ def test_padding_never_reaches_a_token_score(score, layout, side, normalize, lik
     _assert_padding_is_inert(call, poisoned[:n], clean[:n], masks[:n])
 
 
+@quiet_numpy
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "valid"])
+@pytest.mark.parametrize("pairs", [False, True], ids=["dense", "pairs"])
+@pytest.mark.parametrize("score", ["weighted", "smooth", "topk_mean"])
+def test_a_nan_query_token_against_long_docs(lik_path, score, pairs, masked):
+    """A query token of NaN against docs of 40 tokens: masked, the scores are those of a
+    zero token there; valid, its query's scores are NaN and no other. (The interpreter
+    takes tl.max's index with np.nanargmax, which raised 'All-NaN slice encountered' on
+    such a row once a doc had 32 tokens.)"""
+    g = torch.Generator().manual_seed(6)
+    Q, D = torch.randn(2, 4, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    Q[0, 1] = NAN
+    weights = torch.rand(2, 4, generator=g) + 0.5
+    q_mask = torch.ones(2, 4, dtype=torch.bool)
+    q_mask[0, 1] = not masked
+    call = _scored(score, q_mask, None, False, pairs)
+    args = (weights,) if score == "weighted" else ()
+    out = call(Q, D, *args)
+    if masked:
+        assert torch.equal(out, call(_poison(Q, q_mask, 0.0), D, *args))
+    else:
+        assert out[0].isnan().all() and out[1].isfinite().all()
+
+
 @pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("poison", list(POISONS))
 @pytest.mark.parametrize("normalize", [False, True])

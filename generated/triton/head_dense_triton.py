@@ -2,7 +2,7 @@
 # kernel: head_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "head", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2
-# body-sha256: baef362e775fcde40d9bb7708e66d355caaabe0f7da1476dfe2cf335cf34eb23
+# body-sha256: 1a2acfa94e45001db52f4936fc15b00d5290e1dd1cac551db8f334fde8dba37f
 
 """Projection head + MaxSim forward for head_dense_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lik.runtime.kernel_lib import NO_STRIDES, dot_config, inv_l2_norm, max_keep_nan
+from lik.runtime.kernel_lib import NO_STRIDES, dot_config, inv_l2_norm, max_keep_nan, row_max_index
 from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
@@ -40,12 +40,7 @@ def _head_block_max(
         # The argmax reduction would drop a NaN: the row sum finds it.
         tile_sum = tl.sum(tl.where(valid[None, :], sim, 0.0), axis=1)
         # Ties keep the earliest doc token, here and across blocks in the reduce.
-        tile_best, tile_index = tl.max(
-            tl.where(valid[None, :], sim, float("-inf")),
-            axis=1,
-            return_indices=True,
-            return_indices_tie_break_left=True,
-        )
+        tile_best, tile_index = row_max_index(tl.where(valid[None, :], sim, float("-inf")))
         tile_best = tl.where(tile_sum != tile_sum, float("nan"), tile_best)
         tl.store(PartialIndex + slots, (tile_index + first_token).to(tl.int32))
     else:

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": true, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: af71a8277f2126f8fdcbccc986cefd61b44c23b5dd045f742d146f73eaa53ff6
+# body-sha256: 1edabfc2f7ef9f4f268902f5916de6ab688d0a00b3712951d0a4e4fe79a20c9c
 
 """MaxSim forward for maxsim_dense_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 00306e1c05b3a0a3d0a60457189b497b34a068ae4e2bcc5e90c6edc21bcd49e8
+# body-sha256: 17e098a16e7c9e82f4d189761d8d75969f84864d8c226f0ae5b912279fa9b325
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3a9f13fbc8ea6ff3f3b274eeb86d3bc6d5af588f6490ef486b5f37203241cbf5
+# body-sha256: 95bbcbf4f4cacd35683a1872ef52199da73c888ae9c3c082f57ab43ce1ee0785
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: c8cddca3f240d7885dccf66ce2c285015289182a18a679c06ada3a9607030578
+# body-sha256: 24991ae36019b27eb7dca6a3ce99805f6ea90853bad488ba8b55037daa054555
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d554761410bb07bceb1fdd1674f9aa4b9b1f21a05a64ca457775cc8c68180b1c
+# body-sha256: 5c15258f1f9e7e7e69b827ebe29ef67afb3c654b3529b857f4becd09c1550374
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -79,7 +80,7 @@ def _score_update(
     slots the latest token leaves: on ties the earliest doc tokens are kept."""
     first = tl.min(offs_t, axis=0)
     for _ in tl.static_range(TOKEN_K):
-        best, index = tl.max(sim, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        best, index = row_max_index(sim)
         token = index + first
         low = tl.min(values, axis=1)
         weakest = tl.max(tl.where(values == low[:, None], tokens, -(2**30)), axis=1)

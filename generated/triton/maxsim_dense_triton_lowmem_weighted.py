@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: f5a8f6f31d4ab69bf5b813d7215fae4f7ad496121de9c5f12543ae28f132edd0
+# body-sha256: 40e8d5b4b9f23985295fb704d13c075ebc36a09142ee0e14e251d8d3a6b0c9fb
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -69,9 +70,7 @@ def _score_update(
     best, best_index, sim, offs_t, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.constexpr
 ):
     """Running max with its index; strict > keeps the earliest doc token on ties."""
-    tile_best, tile_index = tl.max(
-        sim, axis=1, return_indices=True, return_indices_tie_break_left=True
-    )
+    tile_best, tile_index = row_max_index(sim)
     better = tile_best > best
     token = tile_index + tl.min(offs_t, axis=0)
     return tl.where(better, tile_best, best), tl.where(better, token, best_index)

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 814190ba86d454664a97e595cf38c4c4f43bfdf251bc36f93b9b51421db3709a
+# body-sha256: b7613e54fb63b22dad9001f6670c042cf0cfc6bfece3617cf99067aea2f508f4
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

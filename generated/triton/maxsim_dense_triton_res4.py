@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2e5089525ca2aaddf99a27c392cbfd5bad6a60621a6946745850a3985630351b
+# body-sha256: 13143c4c5829613b24ae00521727e4e7544dd11a5f434e2b2bd7d16e5aa16394
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5f16505449e19eb4ecb8d6d4a44efb6b4ac89ae0f3ba8093ef0db3041a7bd781
+# body-sha256: 0af339dd348d9b8096f74a8795d6dd26d4ee958ded6c5b343b16d678b79b1c3a
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 6ce961ce4398b7a297739f9c5cb5d7d5cac131ac5390fcd797eb7fb0216e7341
+# body-sha256: f0f25abb9265bd21a4ddb620d2f0ce36ac2db6572069152c0379f32a10021f82
 
 """MaxSim forward for maxsim_dense_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 2ade155c3999c1b9ce559f877481735f566dfe9273720f68cbdbfad122f5c45f
+# body-sha256: c4c3ff112b09d535b4f8ddaaa0a6f256edb9e3360dd676c20e9a5390a90155e6
 
 """MaxSim forward for maxsim_dense_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -79,7 +80,7 @@ def _score_update(
     slots the latest token leaves: on ties the earliest doc tokens are kept."""
     first = tl.min(offs_t, axis=0)
     for _ in tl.static_range(TOKEN_K):
-        best, index = tl.max(sim, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        best, index = row_max_index(sim)
         token = index + first
         low = tl.min(values, axis=1)
         weakest = tl.max(tl.where(values == low[:, None], tokens, -(2**30)), axis=1)

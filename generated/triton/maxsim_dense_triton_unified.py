@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: b9d92ce1ff9dcbcd175705f9cc927c207885e36d64a6db599eef5540181b1dee
+# body-sha256: dca29c05082247cc58b4399fbf0fbe3ea26576b8de483cba550eca075e3d267a
 
 """MaxSim training (unified backward) for maxsim_dense_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

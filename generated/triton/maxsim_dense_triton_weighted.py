@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 27f0b8336f0cdaff2d904a97f97dd996351c024199e77ab58e3387acaa37205a
+# body-sha256: efbd0810ff281f8088595f0eba75e30eabb659a61c725fa43b40c8066dfc8e3b
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -69,9 +70,7 @@ def _score_update(
     best, best_index, sim, offs_t, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.constexpr
 ):
     """Running max with its index; strict > keeps the earliest doc token on ties."""
-    tile_best, tile_index = tl.max(
-        sim, axis=1, return_indices=True, return_indices_tie_break_left=True
-    )
+    tile_best, tile_index = row_max_index(sim)
     better = tile_best > best
     token = tile_index + tl.min(offs_t, axis=0)
     return tl.where(better, tile_best, best), tl.where(better, token, best_index)

@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 568c6b78cc9f138b43a644f1753d1ae9848754426a355a394c4e0a807c6d2d49
+# body-sha256: 42e8639c5f7a6c0dbf53b3d3a572a7b8b8934606c609aac79b27105b090fc1f1
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: bb717a71c8446e3c111cdcb46352edaa8aee16ffb7a9251eb07ae75d7a4c2adc
+# body-sha256: d5f23855ee4f95e82a8a96bdfe9ea8b5b224ad1fb111aa29aad724f7efc013f5
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5b14355d2aa8897dbb0b34c045f97419a346814d15cae191de0b7eb7161eee07
+# body-sha256: 9223c44cec8e91e27dd9fd0d9ecc971985410b130bc6d451b4ab244aace55dd8
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

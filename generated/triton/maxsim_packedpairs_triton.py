@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0bfba1167182af8fad0219d14031ec59b58f133bbba5cca4e33b877698f81f9e
+# body-sha256: 60996cbff2076ffe30038e7af879ad0237954209ab80393491bf225a19ccefca
 
 """MaxSim forward for maxsim_packedpairs_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

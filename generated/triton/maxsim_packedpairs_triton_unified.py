@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 09509c3b79f5bc7a25d9ec3ee00caac1e8a10bd181708f33dfc139ae279320c0
+# body-sha256: 39cbb389276ce9b782fde0956a4749c66ec9cad6e4d477b80f78874d1568ad5b
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8a8e4ce97c517f634838011b9ab79184d3c670fcf5e937a6cf1fff06b8323ce7
+# body-sha256: dde4040d90f0662a5392cc6e60d06657b73e69be277948c736fc0c17695687e5
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: df89c89ecb75f101e5ddf7cec822efc39e655e0b63c2af87ad8bbbcf7c623a5f
+# body-sha256: 25a1c935e871431140acccd0c8f07bdd9c49a8d02558ba5c40449b6284e6764a
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8187056027a3ae5d52ccbde2e1059508a53f1cddefb17f5d910938081371d7d1
+# body-sha256: 960edcab16621fa6837f0d7b3b4037ee04346859dbde8bfa17d51744cbb7f747
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: bb21ae50a7d8c1ab60a0dcf389e6da8b46ac0c4492dc835d4ed6dd3a5c5da02c
+# body-sha256: 9ee2d1c7b28eb5f76970fd8616319e60d348e111783fb0e8670f8bc6943f925d
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -79,7 +80,7 @@ def _score_update(
     slots the latest token leaves: on ties the earliest doc tokens are kept."""
     first = tl.min(offs_t, axis=0)
     for _ in tl.static_range(TOKEN_K):
-        best, index = tl.max(sim, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        best, index = row_max_index(sim)
         token = index + first
         low = tl.min(values, axis=1)
         weakest = tl.max(tl.where(values == low[:, None], tokens, -(2**30)), axis=1)

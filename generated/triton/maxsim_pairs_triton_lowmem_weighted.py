@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: d91a7d86c4803a00703264664cb5e1b257d7ba26c771345ff0754453e5550ac3
+# body-sha256: 86a3868c150590a3630be32d3c7abf7ed97d6cc2b2d139ee905f48e3a164f676
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -69,9 +70,7 @@ def _score_update(
     best, best_index, sim, offs_t, tau, TOKEN_K: tl.constexpr, TOKEN_SLOTS: tl.constexpr
 ):
     """Running max with its index; strict > keeps the earliest doc token on ties."""
-    tile_best, tile_index = tl.max(
-        sim, axis=1, return_indices=True, return_indices_tie_break_left=True
-    )
+    tile_best, tile_index = row_max_index(sim)
     better = tile_best > best
     token = tile_index + tl.min(offs_t, axis=0)
     return tl.where(better, tile_best, best), tl.where(better, token, best_index)

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: dd36a118cfb4c4c4df942a13220f7f1c22ba7ac48ce229e3aed03f22643e40be
+# body-sha256: 9c1c5bed91c45f1a945f1f0ca05782c88e8684e2654be6ab0731228e5a6bf7d6
 
 """MaxSim forward for maxsim_pairs_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d3cfac13974ed7a8bbe5932dd9f06d07f38ba5253a265aa888841d9324b06d49
+# body-sha256: 219f481ee6e6c062af3164ea6431ee1ffcb2e0522fd45d22285d18ad61a53479
 
 """MaxSim forward for maxsim_pairs_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
@@ -79,7 +80,7 @@ def _score_update(
     slots the latest token leaves: on ties the earliest doc tokens are kept."""
     first = tl.min(offs_t, axis=0)
     for _ in tl.static_range(TOKEN_K):
-        best, index = tl.max(sim, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        best, index = row_max_index(sim)
         token = index + first
         low = tl.min(values, axis=1)
         weakest = tl.max(tl.where(values == low[:, None], tokens, -(2**30)), axis=1)

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: fc517b749bde04646711ea310e5df60fe03f66db0207156489e22471db03cc62
+# body-sha256: d1274807fd2dd893f7278ad9b97a5ee4ff0dc066c71f433ce788cd8b005bded9
 
 """MaxSim training (unified backward) for maxsim_pairs_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 509906b3ca7bfa552becffb560e38758fc10a0ce41d81f25f6caac2dcd25a140
+# body-sha256: 09c7c99f23f340a8eee1a00014351cbd89899b11706b1f9a991b2896c42eb2e5
 
 """MaxSim forward for maxsim_varlen_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

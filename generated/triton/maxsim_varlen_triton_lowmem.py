@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 71ec4fe64334252dfabda661abbecf4045ca451bc8ad60e118938583bf909a17
+# body-sha256: 3254a16a197fa1d1f3d028004c6aa5470a959f28c8ee6355a5aa8887c13bcd87
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: fa4ec6b61c2935777c41985ab787b646c5a82399e5fdba33de2e351a6fc4a706
+# body-sha256: 2bf0d257f09f531ba79cbb25736cce820721a5b6147fb4f1d9c32f5d925f0ec2
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c4b4adbf31792925334590f32372547f663f4456700ccbccda60f73b1c6db9e4
+# body-sha256: 22cc0cc1cceee22842c6de7553b4097cd0b528a19d6fb4187a210211602cdadf
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c288f94d6a8076d1de6ff589b16e229c84eedf377c8ade43a7a68614a6ed9504
+# body-sha256: ef004ab55b7b844246e022a02da41d8ece7c0f43b7b345d54099ebce4c4e02ed
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

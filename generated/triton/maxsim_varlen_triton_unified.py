@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: f1d1646a9dc2d3621f2feb32154d92e9dfc23666604c14f94ab631875fe0f450
+# body-sha256: 8dfda31240ef37739725c539fc5566745cfa31a4890abd6f1aea1079052e4e62
 
 """MaxSim training (unified backward) for maxsim_varlen_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,

@@ -2,7 +2,7 @@
 # kernel: topk_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "topk", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 73bb99742339e744983af0dadec9c0eab6a038deaeac20c68a25da3d0786f410
+# body-sha256: d43fef85fe4e2cd4f5aad41db8b396cab9b7bbb235514ac15ae202aecbc50f8d
 
 """MaxSim top-k candidates (retrieval) for topk_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -23,6 +23,7 @@ from lik.runtime.kernel_lib import (
     reduce_token_ranges,
     row_argmax,
     row_max,
+    row_max_index,
     tile_similarities,
     token_valid,
     topk_insert,
