@@ -57,6 +57,7 @@ REDUCE_OPTIONS = (
     "BLOCK_L=config.block_l",
     "QUERY_GROUP=config.query_group",
     "FLAT_TOKENS=flat",
+    f"{OPTIONAL_INPUTS['d_mask']}=d_mask is not None",
     f"{OPTIONAL_INPUTS['argmax']}=argmax is not None",
     "num_warps=4",
 )
@@ -113,13 +114,15 @@ def _forward_args() -> tuple[KernelArg, ...]:
 
 
 def _reduce_args() -> tuple[KernelArg, ...]:
-    """What the reduce kernel reads: the forward's partials, the outputs, their sizes."""
-    names = (("Partial", "partial"), ("PartialIndex", "partial_index"), ("Out", "out"),
-             ("Argmax", "argmax"))  # fmt: skip
+    """What the reduce kernel reads: the forward's partials, the doc mask (which docs have
+    a valid token), the outputs, their sizes."""
+    names = (("Partial", "partial"), ("PartialIndex", "partial_index"), ("d_mask", "d_mask"),
+             ("Out", "out"), ("Argmax", "argmax"))  # fmt: skip
     tensors = [KernelArg(name, expr) for name, expr in names]
     sizes = [KernelArg(s, s) for s in REDUCE_SIZES]
     tensor_strides = (
         strides("p", "partial", ("b", "n"))
+        + strides("dm", "d_mask", ("b", "t"))
         + strides("o", "out", ("b", "c"))
         + strides("a", "argmax", ("b", "c", "s"))
     )

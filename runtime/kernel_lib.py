@@ -47,6 +47,29 @@ def token_valid(mask, base, offs, stride, length):
     return tl.load(mask + base + offs * stride, mask=offs < length, other=0) != 0
 
 
+# Doc-mask entries one step of doc_has_token reads: one step for docs up to this long.
+MASK_SCAN = tl.constexpr(1024)
+
+
+@triton.jit
+def doc_has_token(best, q_valid, d_mask, base, stride, d_len):
+    """Whether a doc with a mask (entries d_mask[base + t * stride], t < d_len) has a valid
+    token, as far as its query rows' maxima `best` need to know. A valid row's max of -inf
+    is a real -inf when the doc has a valid token (every valid similarity was -inf) and
+    adds 0 when it has none: the mask decides, never the value. So the mask is read, once
+    per doc, only when some valid row's max is -inf; otherwise every valid row's max came
+    from a valid token, and the answer (True) does not matter."""
+    lost = tl.max((q_valid & (best == float("-inf"))).to(tl.int32), axis=0)
+    found = lost == 0
+    if lost != 0:
+        count = tl.zeros([], dtype=tl.int32)
+        for start in range(0, d_len, MASK_SCAN):
+            offs = start + tl.arange(0, MASK_SCAN)
+            count += tl.sum(token_valid(d_mask, base, offs, stride, d_len).to(tl.int32), axis=0)
+        found = count != 0
+    return found
+
+
 @triton.jit
 def one_hot_dot(won, g, rows, acc, SPLIT_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr):  # fmt: skip
@@ -181,8 +204,8 @@ def reduce_token_ranges(Partial, Arrivals, Out, doc, groups, group, Nq, stride_o
                     split = tl.minimum(first_split + offset, DOC_SPLITS - 1)
                     part = tl.load(ranges + split * groups * ROWS, cache_modifier=".cg")
                     best = max_keep_nan(best, part)
-        # A query token with no valid doc token (or none at all) adds 0.
-        best = tl.where(best != float("-inf"), best, 0.0)
+        # Rows that add 0 (a masked query token, a doc with no valid token) were stored as
+        # 0 by every range: a row's -inf here is real (every valid similarity was -inf).
         scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
         group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)
         tl.store(Out + group_queries * stride_ob + doc * stride_oc, scores,
@@ -194,14 +217,18 @@ def reduce_token_ranges(Partial, Arrivals, Out, doc, groups, group, Nq, stride_o
 def topk_insert(top_scores, top_ranks, top_docs, scores, doc, doc_ok):
     """One doc's scores [QUERY_GROUP] into each query's TOP_K slots (score, rank, doc).
     NaN ranks above everything (as torch.topk does), the score itself is kept. The
-    weakest slot is evicted: lowest rank, and among equal ranks the highest doc. A new
-    doc enters only with a strictly higher rank, so on equal scores the lower (earlier)
-    doc stays: the same rule as retrieve's final merge."""
+    weakest slot is evicted: lowest rank, and among equal ranks an empty slot (negative
+    doc), else the highest doc. A new doc enters an empty slot whatever its score (a -inf
+    score is a real one), a filled one only with a strictly higher rank, so on equal
+    scores the lower (earlier) doc stays: the same rule as retrieve's final merge."""
     rank = tl.where(scores != scores, float("inf"), scores)
-    rank = tl.where(doc_ok, rank, float("-inf"))
     low = tl.min(top_ranks, axis=1)
-    weakest = tl.max(tl.where(top_ranks == low[:, None], top_docs, -(2**62)), axis=1)
-    evict = (top_docs == weakest[:, None]) & (rank > low)[:, None]
+    at_low = top_ranks == low[:, None]
+    lowest_doc = tl.min(tl.where(at_low, top_docs, 2**62), axis=1)
+    empty = lowest_doc < 0  # an empty slot is left (then low is -inf)
+    weakest = tl.where(empty, lowest_doc, tl.max(tl.where(at_low, top_docs, -(2**62)), axis=1))
+    enters = tl.where(doc_ok, (rank > low) | empty, False)
+    evict = (top_docs == weakest[:, None]) & enters[:, None]
     top_ranks = tl.where(evict, rank[:, None], top_ranks)
     top_scores = tl.where(evict, scores[:, None], top_scores)
     top_docs = tl.where(evict, doc, top_docs)

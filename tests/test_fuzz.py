@@ -9,11 +9,9 @@ The reference below (`expected`) sanitizes masked positions itself and shares no
 with lik.runtime.reference; its rule is the one that module's docstring writes down.
 
 Both CPU paths run: the reference path on small shapes, the generated kernels under the
-Triton interpreter on tiny ones. Kernel-path cases that the pending kernel fixes cover
-(padding that reaches kernel gradients, the inf rule) run in their own group, an
-expected failure (not strict) until those fixes land. Every group prints its case
-counts (pytest -s) and records them as test properties. Under a minute in all on a
-2-core CPU; LIK_FUZZ_CASES=10 draws ten times as many cases.
+Triton interpreter on tiny ones. Every group prints its case counts (pytest -s) and
+records them as test properties. Under a minute in all on a 2-core CPU;
+LIK_FUZZ_CASES=10 draws ten times as many cases.
 """
 
 from __future__ import annotations
@@ -342,21 +340,7 @@ def run_case(case) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------
-# Known kernel-path failures (fixed in the kernels next): the interpreter runs them in a
-# group of their own, an expected failure that is not strict.
-
-KNOWN_KERNEL_FAILURES = (
-    "kernel fixes pending: masked NaN or inf reaches kernel gradients (the pairs and KD "
-    "lowmem backwards, normalize=True at masked positions), and the kernels add 0 for a "
-    "valid row of -inf similarities (the inf rule of lik.runtime.reference)"
-)
-
-
-def known_kernel_failure(case) -> bool:
-    """Cases the pending kernel fixes cover: padding poisoned while gradients are taken,
-    or a non-finite valid value."""
-    padding_in_backward = case.grad and case.poison is not None and not _ties(case)
-    return case.path == "interpreter" and (padding_in_backward or case.valid_value is not None)
+# The groups
 
 
 def _cases(path, count):
@@ -401,16 +385,7 @@ def test_fuzz_reference_path(monkeypatch, record_property):
 @quiet_numpy
 def test_fuzz_interpreter_path(monkeypatch, record_property):
     _use_path("interpreter", monkeypatch)
-    cases = [c for c in _cases("interpreter", INTERPRETER_CASES) if not known_kernel_failure(c)]
-    _run_group(cases, record_property, "interpreter path")
-
-
-@quiet_numpy
-@pytest.mark.xfail(strict=False, reason=KNOWN_KERNEL_FAILURES)
-def test_fuzz_interpreter_path_known_kernel_failures(monkeypatch, record_property):
-    _use_path("interpreter", monkeypatch)
-    cases = [c for c in _cases("interpreter", INTERPRETER_CASES) if known_kernel_failure(c)]
-    _run_group(cases, record_property, "interpreter path, known kernel failures")
+    _run_group(_cases("interpreter", INTERPRETER_CASES), record_property, "interpreter path")
 
 
 def test_the_draws_cover_what_the_fuzz_promises():

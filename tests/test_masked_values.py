@@ -9,20 +9,37 @@ written in lik.runtime.reference's docstring).
   poison, the generated kernels under the interpreter with NaN and inf (-inf and huge
   values take the same kernel code, and the interpreter is slow).
 - A valid token's -inf similarity row is a real -inf, unlike "no valid doc token", which
-  adds 0; whether a mask is passed does not change a score. On both CPU paths: the
-  kernels still treat an all -inf row as "no valid doc token" (the kernel fix of the
-  non-finite rule is pending), so those kernel cases are strict expected failures.
+  adds 0; whether a mask is passed does not change a score. On both CPU paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from lik.runtime import maxsim, maxsim_pairs, variants
+from lik.runtime import (
+    dispatch,
+    maxsim,
+    maxsim_pairs,
+    maxsim_varlen,
+    registry,
+    retrieval,
+    retrieve,
+    score_pairs_packed,
+    validate,
+    variants,
+)
 from lik.runtime.fp8 import maxsim_inference_fp8
 from lik.runtime.head import maxsim_from_hidden
 from lik.runtime.plaid import maxsim_residual, packed_bytes
+from lik.runtime.reference import (
+    maxsim_from_hidden_reference,
+    maxsim_pairs_reference,
+    maxsim_reference,
+    maxsim_scored_reference,
+)
 
 NAN, INF = float("nan"), float("inf")
 POISONS = {"nan": NAN, "inf": INF, "-inf": -INF, "huge": 3e38}
@@ -41,6 +58,16 @@ def quiet_numpy(test):
 @pytest.fixture
 def reference_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture
+def interpreter_path(monkeypatch):
+    """The generated kernels under the interpreter, launched by the test itself."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs where there is no GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if dispatch.backend(torch.device("cpu")) != "interpreter":
+        pytest.skip("no interpreter path here")
 
 
 def _paths_and_poisons():
@@ -160,30 +187,6 @@ def test_padding_never_reaches_a_token_score(score, layout, side, normalize, lik
     _assert_padding_is_inert(call, poisoned[:n], clean[:n], masks[:n])
 
 
-@quiet_numpy
-@pytest.mark.parametrize("masked", [True, False], ids=["masked", "valid"])
-@pytest.mark.parametrize("pairs", [False, True], ids=["dense", "pairs"])
-@pytest.mark.parametrize("score", ["weighted", "smooth", "topk_mean"])
-def test_a_nan_query_token_against_long_docs(lik_path, score, pairs, masked):
-    """A query token of NaN against docs of 40 tokens: masked, the scores are those of a
-    zero token there; valid, its query's scores are NaN and no other. (The interpreter
-    takes tl.max's index with np.nanargmax, which raised 'All-NaN slice encountered' on
-    such a row once a doc had 32 tokens.)"""
-    g = torch.Generator().manual_seed(6)
-    Q, D = torch.randn(2, 4, 8, generator=g), torch.randn(2, 40, 8, generator=g)
-    Q[0, 1] = NAN
-    weights = torch.rand(2, 4, generator=g) + 0.5
-    q_mask = torch.ones(2, 4, dtype=torch.bool)
-    q_mask[0, 1] = not masked
-    call = _scored(score, q_mask, None, False, pairs)
-    args = (weights,) if score == "weighted" else ()
-    out = call(Q, D, *args)
-    if masked:
-        assert torch.equal(out, call(_poison(Q, q_mask, 0.0), D, *args))
-    else:
-        assert out[0].isnan().all() and out[1].isfinite().all()
-
-
 @pytest.mark.usefixtures("reference_path")
 @pytest.mark.parametrize("poison", list(POISONS))
 @pytest.mark.parametrize("normalize", [False, True])
@@ -251,13 +254,6 @@ def test_fp8_padding_never_reaches_a_score():
 # ---------------------------------------------------------------------------------------
 # Non-finite valid values: the rule of the reference docstring, on both CPU paths.
 
-KERNEL_INF_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="kernel fix pending: the kernels treat a valid row of -inf similarities as "
-    "'no valid doc token' and add 0 (the reference adds -inf, with or without a mask)",
-)
-
-
 def _issue_example(mask):
     Q = torch.tensor([[[-INF, 0.0], [1.0, 1.0]]])
     D = torch.tensor([[[1.0, 0.5], [2.0, -0.5]]])
@@ -294,30 +290,23 @@ def _fully_masked_doc(mask):
 
 
 INF_CASES = {
-    # case: (builder, whether it passes an all-True d_mask, expected scores, whether the
-    # kernels need the pending fix for it)
-    "-inf row, no mask": (_issue_example, False, [[-INF]], True),
-    "-inf row, all-True mask": (_issue_example, True, [[-INF]], True),
-    "+inf row, all-True mask": (_pos_inf_query_token, True, [[INF]], False),
-    "losing -inf doc token, no mask": (_losing_neg_inf_doc_token, False, [[2.0]], False),
-    "losing -inf doc token, all-True mask": (_losing_neg_inf_doc_token, True, [[2.0]], False),
-    "-inf row beside a fully masked doc": (
-        _neg_inf_row_beside_a_masked_doc,
-        True,
-        [[-INF, 0.0]],
-        True,
-    ),
-    "fully masked doc": (_fully_masked_doc, True, [[0.0]], False),
+    # case: (builder, whether it passes an all-True d_mask, expected scores)
+    "-inf row, no mask": (_issue_example, False, [[-INF]]),
+    "-inf row, all-True mask": (_issue_example, True, [[-INF]]),
+    "+inf row, all-True mask": (_pos_inf_query_token, True, [[INF]]),
+    "losing -inf doc token, no mask": (_losing_neg_inf_doc_token, False, [[2.0]]),
+    "losing -inf doc token, all-True mask": (_losing_neg_inf_doc_token, True, [[2.0]]),
+    "-inf row beside a fully masked doc": (_neg_inf_row_beside_a_masked_doc, True, [[-INF, 0.0]]),
+    "fully masked doc": (_fully_masked_doc, True, [[0.0]]),
 }
 
 
 def _inf_params():
-    params = []
-    for path in ("reference", "interpreter"):
-        for case, (_, _, _, needs_fix) in INF_CASES.items():
-            marks = [KERNEL_INF_FIX] if needs_fix and path == "interpreter" else []
-            params.append(pytest.param(path, case, marks=marks, id=f"{path}-{case}"))
-    return params
+    return [
+        pytest.param(path, case, id=f"{path}-{case}")
+        for path in ("reference", "interpreter")
+        for case in INF_CASES
+    ]
 
 
 def _expect(out, expected):
@@ -331,7 +320,7 @@ def _expect(out, expected):
 @quiet_numpy
 @pytest.mark.parametrize("lik_path, case", _inf_params(), indirect=["lik_path"])
 def test_inf_rule_maxsim(lik_path, case):
-    build, mask, expected, _ = INF_CASES[case]
+    build, mask, expected = INF_CASES[case]
     Q, D, d_mask = build(mask)
     _expect(maxsim(Q, D, d_mask=d_mask), expected)
 
@@ -349,9 +338,8 @@ def _scored_inf_params():
     for path in ("reference", "interpreter"):
         for score in SCORED_INF_CASES:
             for mask in (False, True):
-                marks = [KERNEL_INF_FIX] if path == "interpreter" else []
                 name = f"{path}-{score}-{'all-True mask' if mask else 'no mask'}"
-                params.append(pytest.param(path, score, mask, marks=marks, id=name))
+                params.append(pytest.param(path, score, mask, id=name))
     return params
 
 
@@ -360,3 +348,203 @@ def _scored_inf_params():
 def test_inf_rule_token_scores(lik_path, score, mask):
     Q, D, d_mask = _issue_example(mask)
     _expect(SCORED_INF_CASES[score](Q, D, d_mask), [[-INF]])
+
+
+# ---------------------------------------------------------------------------------------
+# The inf rule in every layout and loop shape of the kernels: valid rows of -inf, a fully
+# masked doc, docs whose first tiles are masked, and NaN padding, against the reference.
+
+
+def _neg_inf_rows(layout, masked, Ld=37):
+    """Q [2, 3, 4] whose token (0, 0) has -inf similarity to every doc token (doc tokens'
+    first coordinate is positive); with `masked`, doc 1 is fully masked, doc 2 valid past
+    its first 32 tokens only, doc 3 at its last token only, and query token (1, 2) is
+    masked; masked tokens hold NaN."""
+    g = torch.Generator().manual_seed(12)
+    Q = torch.randn(2, 3, 4, generator=g)
+    Q[0, 0] = torch.tensor([-INF, 0.0, 0.0, 0.0])
+    doc_axes = {"dense": (4,), "kd": (2, 4), "pairs": (2,)}[layout]
+    D = torch.randn(*doc_axes, Ld, 4, generator=g)
+    D[..., 0] = D[..., 0].abs() + 0.5
+    if not masked:
+        return Q, D, None, None
+    q_mask = torch.ones(2, 3, dtype=torch.bool)
+    q_mask[1, 2] = False
+    d_mask = torch.ones(*doc_axes, Ld, dtype=torch.bool)
+    if layout == "pairs":
+        d_mask[1, :32] = False
+    else:
+        d_mask[..., 1, :] = False
+        d_mask[..., 2, :32] = False
+        d_mask[..., 3, :-1] = False
+    return _poison(Q, q_mask, NAN), _poison(D, d_mask, NAN), q_mask, d_mask
+
+
+def _reference_of(layout, Q, D, q_mask, d_mask):
+    reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
+    return reference(Q.double(), D.double(), q_mask, d_mask).float()
+
+
+def _expect_tensor(out, want):
+    assert out.shape == want.shape
+    assert torch.equal(out.isnan(), want.isnan()), f"{out} vs {want}"
+    finite = want.isfinite()
+    infinite = want.isinf()
+    assert torch.equal(out[infinite], want[infinite]), f"{out} vs {want}"
+    assert torch.allclose(out[finite], want[finite], rtol=1e-5, atol=1e-5), f"{out} vs {want}"
+
+
+# Every loop shape of the streamed dense forward (inference): one loop per doc, docs in a
+# row, whole tiles then a tail, token ranges with their reduce, and the flat (doc, tile)
+# loop, with docs of two tiles and of one.
+DENSE_LOOPS = {
+    "per doc": dict(block_l=16),
+    "2 docs per program": dict(block_l=16, docs_per_program=2),
+    "peeled": dict(block_l=16, peel_tail=True),
+    "2 ranges": dict(block_l=16, doc_splits=2),
+    "3 ranges, peeled": dict(block_l=16, doc_splits=3, peel_tail=True),
+    "flat, 2 tiles a doc": dict(block_l=32, flat_docs=True, docs_per_program=2),
+    "flat, 1 tile a doc": dict(block_l=64, flat_docs=True, docs_per_program=3),
+}
+
+
+@quiet_numpy
+@pytest.mark.parametrize("masked", [False, True], ids=["no masks", "masks"])
+@pytest.mark.parametrize("loop", list(DENSE_LOOPS))
+@pytest.mark.usefixtures("interpreter_path")
+def test_inf_rule_in_every_dense_loop_shape(loop, masked):
+    Q, D, q_mask, d_mask = _neg_inf_rows("dense", masked)
+    name = f"maxsim_dense_{'qdmask' if masked else 'nomask'}_fp32_triton"
+    module = registry.load(name)
+    config = dispatch._config(name, module, Q, Q.shape[1], Q.shape[0])
+    config = dataclasses.replace(config, **DENSE_LOOPS[loop])
+    out = torch.full((2, 4), 123.0)
+    module.launch(out, Q, D, validate.byte_mask(q_mask), validate.byte_mask(d_mask),
+                  normalize=False, config=config)  # fmt: skip
+    want = _reference_of("dense", Q, D, q_mask, d_mask)
+    assert want[0].isinf().any() and (not masked or want[0, 1] == 0)
+    _expect_tensor(out, want)
+
+
+ENTRIES = {
+    "dense": lambda Q, D, qm, dm: maxsim(Q, D, qm, dm),
+    "dense, unified training forward": lambda Q, D, qm, dm: maxsim(
+        Q.requires_grad_(), D, qm, dm, backward="unified"
+    ).detach(),
+    "dense, lowmem training forward": lambda Q, D, qm, dm: maxsim(
+        Q.requires_grad_(), D, qm, dm, backward="lowmem"
+    ).detach(),
+    "kd": lambda Q, D, qm, dm: maxsim(Q, D, qm, dm),
+    "kd, lowmem training forward": lambda Q, D, qm, dm: maxsim(
+        Q.requires_grad_(), D, qm, dm, backward="lowmem"
+    ).detach(),
+    "pairs": lambda Q, D, qm, dm: maxsim_pairs(Q, D, qm, dm),
+    "pairs, unified training forward": lambda Q, D, qm, dm: maxsim_pairs(
+        Q.requires_grad_(), D, qm, dm, backward="unified"
+    ).detach(),
+}
+
+
+@quiet_numpy
+@pytest.mark.parametrize("masked", [False, True], ids=["no masks", "masks"])
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_inf_rule_in_every_layout(lik_path, entry, masked):
+    layout = entry.split(",")[0]
+    Q, D, q_mask, d_mask = _neg_inf_rows(layout, masked)
+    want = _reference_of(layout, Q, D, q_mask, d_mask)
+    assert want.isinf().any()
+    _expect_tensor(ENTRIES[entry](Q.clone(), D, q_mask, d_mask), want)
+
+
+@quiet_numpy
+@pytest.mark.parametrize("masked", [False, True], ids=["no masks", "masks"])
+def test_inf_rule_in_retrieval(lik_path, masked, monkeypatch):
+    """The top-k epilogue ranks a -inf score last and a fully masked doc's 0 as a 0."""
+    monkeypatch.setattr(retrieval, "TOPK_EPILOGUE_MIN_SCORES", 1)  # the epilogue, small
+    Q, D, q_mask, d_mask = _neg_inf_rows("dense", masked)
+    scores, ids = retrieve(Q, D, 4, q_mask, d_mask, normalize=False)
+    want = _reference_of("dense", Q, D, q_mask, d_mask)
+    _expect_tensor(scores, want.gather(1, ids))
+    _expect_tensor(scores, want.sort(dim=1, descending=True, stable=True).values)
+
+
+@quiet_numpy
+def test_inf_rule_in_ragged_layouts(lik_path):
+    """Packed sequences: a valid -inf row adds -inf, an empty doc 0 (by its length)."""
+    Q, D, _, _ = _neg_inf_rows("dense", False, Ld=5)
+    Q_packed, D_packed = Q.reshape(6, 4), torch.cat([D[0], D[1, :0], D[2]])
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cu_d = torch.tensor([0, 5, 5, 10], dtype=torch.int32)
+    empty_doc = torch.tensor([[True] * 5, [False] * 5, [True] * 5])
+    want = maxsim_reference(Q.double(), D[:3].double(), d_mask=empty_doc).float()
+    _expect_tensor(maxsim_varlen(Q_packed, D_packed, cu_q, cu_d, max_seqlen_q=3), want)
+    pairs = torch.tensor([0, 0, 1, 0]), torch.tensor([0, 1, 2, 2])
+    out = score_pairs_packed(Q_packed, D_packed, cu_q, cu_d, *pairs, max_seqlen_q=3)
+    _expect_tensor(out, want[pairs])
+
+
+@quiet_numpy
+@pytest.mark.parametrize("masked", [False, True], ids=["no masks", "masks"])
+@pytest.mark.parametrize("pairs", [False, True], ids=["dense", "pairs"])
+@pytest.mark.parametrize("score", ["weighted", "smooth", "topk_mean"])
+def test_inf_rule_in_token_score_layouts(lik_path, score, pairs, masked):
+    """Every token score adds -inf for a valid row of -inf similarities and 0 for a query
+    token with no valid doc token (a fully masked doc, or masked first tiles and a valid
+    token after them)."""
+    layout = "pairs" if pairs else "dense"
+    Q, D, q_mask, d_mask = _neg_inf_rows(layout, masked)
+    weights = torch.rand(2, 3, generator=torch.Generator().manual_seed(3)) + 0.5
+    call = _scored(score, q_mask, d_mask, False, pairs)
+    out = call(Q, D, weights) if score == "weighted" else call(Q, D)
+    want = maxsim_scored_reference(Q.double(), D.double(), q_mask, d_mask, score=score,
+                                   weights=weights if score == "weighted" else None, tau=0.3,
+                                   k=3, pairs=pairs)  # fmt: skip
+    assert want.isinf().any()
+    _expect_tensor(out, want.float())
+
+
+@quiet_numpy
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "valid"])
+@pytest.mark.parametrize("pairs", [False, True], ids=["dense", "pairs"])
+@pytest.mark.parametrize("score", ["weighted", "smooth", "topk_mean"])
+def test_a_nan_query_token_against_long_docs(lik_path, score, pairs, masked):
+    """A query token of NaN against docs of 40 tokens: masked, the scores are those of a
+    zero token there; valid, its query's scores are NaN and no other. (The interpreter
+    takes tl.max's index with np.nanargmax, which raised 'All-NaN slice encountered' on
+    such a row once a doc had 32 tokens.)"""
+    g = torch.Generator().manual_seed(6)
+    Q, D = torch.randn(2, 4, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    Q[0, 1] = NAN
+    weights = torch.rand(2, 4, generator=g) + 0.5
+    q_mask = torch.ones(2, 4, dtype=torch.bool)
+    q_mask[0, 1] = not masked
+    call = _scored(score, q_mask, None, False, pairs)
+    args = (weights,) if score == "weighted" else ()
+    out = call(Q, D, *args)
+    if masked:
+        assert torch.equal(out, call(_poison(Q, q_mask, 0.0), D, *args))
+    else:
+        assert out[0].isnan().all() and out[1].isfinite().all()
+
+
+@quiet_numpy
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training forward"])
+@pytest.mark.parametrize("mask", ["none", "all-True", "one doc masked"])
+def test_inf_rule_in_the_fused_head(lik_path, mask, train):
+    """The fused head's reduce: a valid row of -inf similarities adds -inf (the projected
+    doc tokens' first coordinate is large), a fully masked doc 0; and a NaN query token
+    against 40-token docs scores NaN, not an interpreter error."""
+    g = torch.Generator().manual_seed(1)
+    Q, H = torch.randn(3, 3, 4, generator=g), torch.randn(3, 40, 6, generator=g)
+    W, b = torch.randn(4, 6, generator=g), torch.zeros(4)
+    b[0] = 100.0
+    Q[0, 0] = torch.tensor([-INF, 0.0, 0.0, 0.0])
+    Q[2, 1] = NAN
+    d_mask = None if mask == "none" else torch.ones(3, 40, dtype=torch.bool)
+    if mask == "one doc masked":
+        d_mask[1] = False
+    out = maxsim_from_hidden(Q.requires_grad_(train), H, W, b, d_mask, normalize=False)
+    want = maxsim_from_hidden_reference(Q.detach().double(), H.double(), W.double(),
+                                        b.double(), d_mask, normalize=False).float()  # fmt: skip
+    assert want[0].isinf().any() and want[2].isnan().any()
+    _expect_tensor(out.detach(), want)

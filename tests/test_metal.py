@@ -639,6 +639,49 @@ def test_padding_never_reaches_scores_or_gradients(fake_mps, monkeypatch, layout
         assert mask is None or (got[~mask] == 0).all()
 
 
+def _neg_inf_rows(layout, dtype, masked):
+    """Q [2, 3, 8] whose token (0, 0) has -inf similarity to every doc token (their first
+    coordinate is positive); with `masked`, doc 1 is fully masked, doc 2 valid past its
+    first tile only and doc 3 at its last token only, masked tokens holding NaN."""
+    g = torch.Generator().manual_seed(12)
+    Q = torch.randn(2, 3, 8, generator=g)
+    Q[0, 0] = torch.tensor([float("-inf")] + [0.0] * 7)
+    doc_axes = {"dense": (4,), "kd": (2, 4)}[layout]
+    D = torch.randn(*doc_axes, 13, 8, generator=g)
+    D[..., 0] = D[..., 0].abs() + 0.5
+    d_mask = None
+    if masked:
+        d_mask = torch.ones(*doc_axes, 13, dtype=torch.bool)
+        d_mask[..., 1, :] = False
+        d_mask[..., 2, :8] = False
+        d_mask[..., 3, :-1] = False
+        D = _filled(D, d_mask, float("nan"))
+    return Q.to(dtype), D.to(dtype), d_mask
+
+
+@pytest.mark.parametrize(
+    "name", ["maxsim_dense_nomask_fp32_metal", "maxsim_kd_dmask_fp16_metal_lowmem"]
+)
+def test_a_valid_row_of_neg_inf_similarities_is_a_real_neg_inf(fake_mps, monkeypatch, name):
+    """A query token whose valid similarities are all -inf adds -inf; one with no valid
+    doc token (a fully masked doc) adds 0: the mask decides, never the value."""
+    _, compiled = fake_mps
+    monkeypatch.setenv(metal.FORCE_ENV, "metal")
+    v = parse(name)
+    Q, D, d_mask = _neg_inf_rows(v["layout"], v["dtype"], v["has_d_mask"])
+    if v["train"]:
+        Q.requires_grad_()
+    out = api.maxsim(Q, D, None, d_mask, backward="lowmem" if v["train"] else None).detach()
+    want = maxsim_reference(Q.detach().double(), D.double(), None, d_mask).float()
+    assert compiled == [name]
+    assert want.isinf().any() and torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[want.isinf()], want[want.isinf()])
+    finite = want.isfinite()
+    assert relative_error(out[finite], want[finite]) < 1e-5
+    if v["has_d_mask"]:
+        assert (out[..., 1] == 0).all(), "a fully masked doc adds 0"
+
+
 def test_launch_grid_and_scalar_arguments(fake_mps):
     calls, _ = fake_mps
     Q, D, _, _ = make_inputs("dense", torch.float32, 5, 7, 16, 20, 24, False, False)

@@ -293,6 +293,32 @@ def test_padding_never_reaches_scores_or_gradients(fake_mps, name, poison):
         assert (got[~mask] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["maxsim_dense_nomask_fp32_metal_smooth", "maxsim_dense_nomask_fp32_metal_topkmean",
+     "maxsim_pairs_qdmask_fp32_metal_lowmem_weighted"],
+)  # fmt: skip
+def test_a_valid_row_of_neg_inf_similarities_is_a_real_neg_inf(fake_mps, name):
+    """Every token score adds -inf for a query token whose valid similarities are all -inf,
+    and 0 for one with no valid doc token (a fully masked doc, masked first tile)."""
+    v = parse(name)
+    Q, D, q_mask, d_mask, params = make_inputs(v, 2, 3, 3, 13, 8, seed=7)
+    Q[0, 0] = torch.tensor([float("-inf")] + [0.0] * 7)
+    D[..., 0] = D[..., 0].abs() + 0.5
+    if d_mask is not None:
+        d_mask[:] = True
+        d_mask[0, :8] = False
+        d_mask[1] = False
+    if q_mask is not None:
+        q_mask[:] = True
+    out = call(v, Q.requires_grad_(v["train"]), D, q_mask, d_mask, params).detach()
+    want = reference(v, Q.detach().double(), D.double(), q_mask, d_mask, params).float()
+    assert want.isinf().any() and torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[want.isinf()], want[want.isinf()])
+    finite = want.isfinite()
+    assert relative_error(out[finite], want[finite]) < FP32_FORWARD
+
+
 def test_strided_inputs_bind_their_strides(fake_mps, monkeypatch):
     # Q a non-contiguous view (every other query token), D transposed in memory: the
     # packed stride array and the one-by-one strides must both carry the real strides.

@@ -2,7 +2,7 @@
 // kernel: metal-common
 // spec: {}
 // templates: metal/common.metal.j2, metal/partials/elements.metal.j2, metal/partials/fragments.metal.j2, metal/partials/rows.metal.j2
-// body-sha256: 2ad85d63818a57bdfd9d48b141c7c40328328d2d9379a1d482f03a5945749e6e
+// body-sha256: 7443c9a2257a8bef1dabb753f1bd472d182f111536804d4915a7d074b7cdc39d
 
 // The MSL helpers and constants every generated Metal kernel shares. lik.runtime.metal
 // compiles each variant as its preamble (HAS_Q_MASK, HAS_D_MASK, NORMALIZE and Element),
@@ -52,6 +52,21 @@ inline void store_element(device ushort* dst, long i, float x) {
 // when both hold, so an absent mask's buffer is never touched.
 inline bool token_valid(bool in_range, bool has_mask, device const uchar* mask, long at) {
     return in_range && (!has_mask || mask[at] != 0);
+}
+
+// Whether a doc of `length` tokens has a valid one: any, without its mask (has_mask
+// false); with it, any marked valid, the lanes reading every SIMD_WIDTH-th entry. Called
+// by every lane of a simdgroup.
+inline bool doc_has_token(long length, bool has_mask, device const uchar* mask, long base,
+                          long stride, ushort lane) {
+    if (!has_mask) {
+        return length > 0;
+    }
+    bool found = false;
+    for (long t = lane; t < length; t += SIMD_WIDTH) {
+        found = found || mask[base + t * stride] != 0;
+    }
+    return simd_any(found);
 }
 
 // Lane l of a simdgroup holds elements (row, col) and (row, col + 1) of every 8x8

@@ -2,7 +2,7 @@
 // kernel: maxsim_dense_metal
 // spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "metal"}
 // templates: metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: c78518edfe59c8b4362e65503ec17522e9a57b38c16625a653cd91437cc3009f
+// body-sha256: dadfc005371bf2de96e5b25275b7912d3c3adf1b75939f18d89505378f37f487
 
 // MaxSim forward, kernel maxsim_dense_metal, on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -83,6 +83,9 @@ kernel void maxsim_dense_metal_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
         simdgroup_float8x8 q_tiles[DIM_TILES];
@@ -134,7 +137,7 @@ kernel void maxsim_dense_metal_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
     }
     if (lane == 0) {

@@ -2,7 +2,7 @@
 // kernel: maxsim_dense_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 89058149727a13622dd3d3a38305c2687e4a4b1781e9b6fa2b0299010d7ca40e
+// body-sha256: d270d0992307539526f33bc942c0e114fb2bea56771479a81bac79b731508c04
 
 // MaxSim training (lowmem backward), kernel maxsim_dense_metal_lowmem, on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -140,6 +140,9 @@ kernel void maxsim_dense_metal_lowmem_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
         simdgroup_float8x8 q_tiles[DIM_TILES];
@@ -203,7 +206,7 @@ kernel void maxsim_dense_metal_lowmem_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
         // -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
         if (row_owner && in_range) {

@@ -2,7 +2,7 @@
 // kernel: maxsim_dense_metal_lowmem_topkmean
 // spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "metal"}
 // templates: metal/backward/recompute.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/topk_mean.metal.j2
-// body-sha256: 56958724516f3aa35477365c7775ba7c6dd3e206884e8f8f9640fc1e3a6ae001
+// body-sha256: a3ab9c07596dce854833d460d88ab15494715a651c546186ace100984674c46e
 
 // MaxSim training (recompute backward), kernel maxsim_dense_metal_lowmem_topkmean, on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -297,6 +297,9 @@ kernel void maxsim_dense_metal_lowmem_topkmean_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{1.0f, int(token_k)};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -357,7 +360,7 @@ kernel void maxsim_dense_metal_lowmem_topkmean_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
         // What the recompute backward needs per query token: the hook's saved statistic.
         if (row_owner && in_range) {

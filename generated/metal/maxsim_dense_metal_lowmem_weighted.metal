@@ -2,7 +2,7 @@
 // kernel: maxsim_dense_metal_lowmem_weighted
 // spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "metal"}
 // templates: metal/backward/recompute.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/weighted.metal.j2
-// body-sha256: d8c3b5b5a596621c333c98f79822793f40a16329786ca2470b190a5c96bd9bd7
+// body-sha256: 6dc52e784f61a0ecd5fc6f971f8684cc1c272a2349d5a9f061128b0f2e8a45a7
 
 // MaxSim training (recompute backward), kernel maxsim_dense_metal_lowmem_weighted, on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -197,6 +197,9 @@ kernel void maxsim_dense_metal_lowmem_weighted_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{1.0f, 1};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -257,7 +260,7 @@ kernel void maxsim_dense_metal_lowmem_weighted_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         const float weight = in_range ? W[query * stride_wb + s * stride_ws] : 0.0f;
         total += simd_sum(row_owner && scored ? best * weight : 0.0f);
         // What the recompute backward needs per query token: the hook's saved statistic.

@@ -2,7 +2,7 @@
 // kernel: maxsim_dense_metal_weighted
 // spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "metal"}
 // templates: metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/weighted.metal.j2
-// body-sha256: a5afad596fb12a75878d4e3be0d509276abdf99f97735fa32c7f3353aae6284b
+// body-sha256: bf1c6f5eae7748c59aaeb65f0590a6afcdb79d88a5e1127a78730b97eb313009
 
 // MaxSim forward, kernel maxsim_dense_metal_weighted, on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -158,6 +158,9 @@ kernel void maxsim_dense_metal_weighted_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{1.0f, 1};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -218,7 +221,7 @@ kernel void maxsim_dense_metal_weighted_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         const float weight = in_range ? W[query * stride_wb + s * stride_ws] : 0.0f;
         total += simd_sum(row_owner && scored ? best * weight : 0.0f);
     }

@@ -2,7 +2,7 @@
 // kernel: maxsim_kd_metal_lowmem
 // spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "metal"}
 // templates: metal/backward/lowmem.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 310ee6d9320ee4f4063989ba174dfdf595c3d6cf859de1649c58e5ab319128e6
+// body-sha256: 5459303981c52f0b5d6ad33cbbe277b1162b693661b0fa9786f819201371671d
 
 // MaxSim training (lowmem backward), kernel maxsim_kd_metal_lowmem, on Apple GPUs: Q [Nq, Lq, d] against D -> [Nq, K] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -146,6 +146,9 @@ kernel void maxsim_kd_metal_lowmem_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
         simdgroup_float8x8 q_tiles[DIM_TILES];
@@ -209,7 +212,7 @@ kernel void maxsim_kd_metal_lowmem_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
         // -1 marks tokens that take no gradient: masked query tokens, docs with no valid token.
         if (row_owner && in_range) {

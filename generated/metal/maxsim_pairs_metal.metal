@@ -2,7 +2,7 @@
 // kernel: maxsim_pairs_metal
 // spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "metal"}
 // templates: metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2
-// body-sha256: 5c169975d495016aedea63d5f744e17c5ed37102f68e5783a55d390b0081fb10
+// body-sha256: 7fd00b369f541fa6285784f1543b0668ef03af99c875a9f2cac442508fb6be21
 
 // MaxSim forward, kernel maxsim_pairs_metal, on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -77,6 +77,9 @@ kernel void maxsim_pairs_metal_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
         simdgroup_float8x8 q_tiles[DIM_TILES];
@@ -128,7 +131,7 @@ kernel void maxsim_pairs_metal_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
     }
     if (lane == 0) {

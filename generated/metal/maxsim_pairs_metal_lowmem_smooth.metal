@@ -2,7 +2,7 @@
 // kernel: maxsim_pairs_metal_lowmem_smooth
 // spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "metal"}
 // templates: metal/backward/recompute.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/smooth.metal.j2
-// body-sha256: ab984667647bbc6a48404f300423da23491d9e3975cba79956c536bb19eeef9b
+// body-sha256: 9189d051b59b740a9ef653d437f596f07b3a16fc234e8f8bbfa180ebf816d805
 
 // MaxSim training (recompute backward), kernel maxsim_pairs_metal_lowmem_smooth, on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -224,6 +224,9 @@ kernel void maxsim_pairs_metal_lowmem_smooth_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{tau, 1};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -284,7 +287,7 @@ kernel void maxsim_pairs_metal_lowmem_smooth_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
         // What the recompute backward needs per query token: the hook's saved statistic.
         if (row_owner && in_range) {

@@ -2,7 +2,7 @@
 // kernel: maxsim_pairs_metal_lowmem_weighted
 // spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "metal"}
 // templates: metal/backward/recompute.metal.j2, metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/weighted.metal.j2
-// body-sha256: b4e6301a17b822232b519086d53fceb7cf808f33715e715e8bdf933824a82b0a
+// body-sha256: dc1e0637f22c6c5c298e8332e4fca9525b445baad98f95e696e483862e1a0297
 
 // MaxSim training (recompute backward), kernel maxsim_pairs_metal_lowmem_weighted, on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -204,6 +204,9 @@ kernel void maxsim_pairs_metal_lowmem_weighted_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{1.0f, 1};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -264,7 +267,7 @@ kernel void maxsim_pairs_metal_lowmem_weighted_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         const float weight = in_range ? W[query * stride_wb + s * stride_ws] : 0.0f;
         total += simd_sum(row_owner && scored ? best * weight : 0.0f);
         // What the recompute backward needs per query token: the hook's saved statistic.

@@ -2,7 +2,7 @@
 // kernel: maxsim_pairs_metal_topkmean
 // spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "metal"}
 // templates: metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/topk_mean.metal.j2
-// body-sha256: 2827c65ba55960e99a31eef727af708f38170e4de39510c032ed2280eebd170f
+// body-sha256: 4d033c049a44135f1eef2fc5c669d0f96503a89ec12fe9ad435749af0f8dc913
 
 // MaxSim forward, kernel maxsim_pairs_metal_topkmean, on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -215,6 +215,9 @@ kernel void maxsim_pairs_metal_topkmean_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{1.0f, int(token_k)};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -275,7 +278,7 @@ kernel void maxsim_pairs_metal_topkmean_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         total += simd_sum(row_owner && scored ? best : 0.0f);
     }
     if (lane == 0) {

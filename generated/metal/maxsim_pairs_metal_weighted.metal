@@ -2,7 +2,7 @@
 // kernel: maxsim_pairs_metal_weighted
 // spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "metal"}
 // templates: metal/maxsim.metal.j2, metal/partials/forward_kernel.metal.j2, metal/partials/layout.metal.j2, metal/partials/signature.metal.j2, metal/score/weighted.metal.j2
-// body-sha256: bec0c01c04dda0acf4c04c4ec99080255b9e6e7b0c7fe1b9d3748f96f9ca7ad6
+// body-sha256: c8aa7f60e27f8b50571bce4ffca3369cbc0d5320a97d85e87e918bcf49342e4f
 
 // MaxSim forward, kernel maxsim_pairs_metal_weighted, on Apple GPUs: Q [Nq, Lq, d] against D -> [B] fp32.
 // Compiled per variant after lik.runtime.metal's preamble, which defines HAS_Q_MASK,
@@ -152,6 +152,9 @@ kernel void maxsim_pairs_metal_weighted_forward(
     const FragmentSlot slot = fragment_slot(lane);
     // The lanes of column 0 speak for their row when rows are summed or stored.
     const bool row_owner = slot.col == 0;
+    // Whether the doc has a valid token, read once from its length and mask: a query
+    // token's max of -inf is then real (every valid similarity was -inf), else it adds 0.
+    const bool has_token = doc_has_token(Ld, HAS_D_MASK, d_mask, d_mask_base, stride_dmt, lane);
     const ScoreParams params = ScoreParams{1.0f, 1};
     float total = 0.0f;
     for (long row0 = 0; row0 < Lq; row0 += 8) {
@@ -212,7 +215,7 @@ kernel void maxsim_pairs_metal_weighted_forward(
         const bool in_range = s < Lq;
         const bool q_valid = token_valid(in_range, HAS_Q_MASK, q_mask, query * stride_qmb + s * stride_qms);
         // A query token with no valid doc token (fully masked doc) adds 0.
-        const bool scored = q_valid && best != -INFINITY;
+        const bool scored = q_valid && has_token;
         const float weight = in_range ? W[query * stride_wb + s * stride_ws] : 0.0f;
         total += simd_sum(row_owner && scored ? best * weight : 0.0f);
     }

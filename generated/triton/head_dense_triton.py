@@ -2,7 +2,7 @@
 # kernel: head_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "head", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2
-# body-sha256: 1a2acfa94e45001db52f4936fc15b00d5290e1dd1cac551db8f334fde8dba37f
+# body-sha256: f022f3c484da409e5ef21ed8200754db744545a50d7951de1b2c6338b89968e8
 
 """Projection head + MaxSim forward for head_dense_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lik.runtime.kernel_lib import NO_STRIDES, dot_config, inv_l2_norm, max_keep_nan, row_max_index
+from lik.runtime.kernel_lib import (
+    NO_STRIDES,
+    doc_has_token,
+    dot_config,
+    inv_l2_norm,
+    max_keep_nan,
+    row_max_index,
+)
 from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
@@ -215,6 +222,7 @@ def head_dense_triton_fwd_kernel(
 def head_dense_triton_reduce_kernel(
     Partial,
     PartialIndex,
+    d_mask,
     Out,
     Argmax,
     Nq,
@@ -222,6 +230,8 @@ def head_dense_triton_reduce_kernel(
     Ld,
     stride_pb,
     stride_pn,
+    stride_dmb,
+    stride_dmt,
     stride_ob,
     stride_oc,
     stride_ab,
@@ -231,11 +241,13 @@ def head_dense_triton_reduce_kernel(
     BLOCK_L: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
     FLAT_TOKENS: tl.constexpr,
+    HAS_D_MASK: tl.constexpr,
     SAVE_ARGMAX: tl.constexpr,
 ):
     # One program per (document, query group): the max of each query token over the doc
     # blocks, summed over the query's tokens. A token with no valid doc token (fully
-    # masked doc) adds 0 and, with SAVE_ARGMAX, gets winner -1.
+    # masked doc) adds 0 and, with SAVE_ARGMAX, gets winner -1; one whose valid
+    # similarities are all -inf adds -inf (the doc's mask decides, kernel_lib.doc_has_token).
     pid = tl.program_id(0).to(tl.int64)
     groups = tl.cdiv(Nq, QUERY_GROUP)
     doc = pid // groups
@@ -269,7 +281,11 @@ def head_dense_triton_reduce_kernel(
                 best = max_keep_nan(best, part)
         if SAVE_ARGMAX:
             best = tl.where(poisoned, float("nan"), best)
-        scored = q_in & (best != float("-inf"))
+        if HAS_D_MASK:
+            has_token = doc_has_token(best, q_in, d_mask, doc * stride_dmb, stride_dmt, Ld)
+            scored = q_in & ((best != float("-inf")) | has_token)
+        else:
+            scored = q_in & (Ld > 0)
         total += tl.sum(tl.reshape(tl.where(scored, best, 0.0), [QUERY_GROUP, BLOCK_Q]), axis=1)
         if SAVE_ARGMAX:
             tl.store(
@@ -428,11 +444,13 @@ def launch(out, Q, H, W, *, b=None, d_mask=None, argmax=None, normalize, config)
         num_stages=config.num_stages,
     )
     partial_strides = partial.stride()
+    d_mask_strides = NO_STRIDES if d_mask is None else d_mask.stride()
     out_strides = out.stride()
     argmax_strides = NO_STRIDES if argmax is None else argmax.stride()
     head_dense_triton_reduce_kernel[reduce_grid(Nd, Nq, config.query_group)](
         partial,
         partial_index,
+        d_mask,
         out,
         argmax,
         Nq,
@@ -440,6 +458,8 @@ def launch(out, Q, H, W, *, b=None, d_mask=None, argmax=None, normalize, config)
         Ld,
         partial_strides[0],
         partial_strides[1],
+        d_mask_strides[0],
+        d_mask_strides[1],
         out_strides[0],
         out_strides[1],
         argmax_strides[0],
@@ -449,6 +469,7 @@ def launch(out, Q, H, W, *, b=None, d_mask=None, argmax=None, normalize, config)
         BLOCK_L=config.block_l,
         QUERY_GROUP=config.query_group,
         FLAT_TOKENS=flat,
+        HAS_D_MASK=d_mask is not None,
         SAVE_ARGMAX=argmax is not None,
         num_warps=4,
     )

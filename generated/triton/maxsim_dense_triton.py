@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 17e098a16e7c9e82f4d189761d8d75969f84864d8c226f0ae5b912279fa9b325
+# body-sha256: 26ebbb5ae4eb63b9281f1145d494ebf8f890442581157851829295d3962ecf5b
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -241,7 +242,14 @@ def maxsim_dense_triton_fwd_kernel(
                 else:
                     final = best
 
-                final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+                if HAS_D_MASK:
+                    has_token = doc_has_token(
+                        final, q_valid, d_mask, d_mask_base, stride_dmt, d_len
+                    )
+                    scored = q_valid & ((final != float("-inf")) | has_token)
+                else:
+                    scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
 
                 # A row bound, not a scalar mask (see the flat loop's store).
@@ -257,9 +265,18 @@ def maxsim_dense_triton_fwd_kernel(
                 else:
                     final = best
 
-                # Every row is written (-inf where no valid query token), so the reduce reads
-                # whole rows without masks. Layout: [Nd, DOC_SPLITS, groups, rows].
-                final = tl.where(q_valid, final, float("-inf"))
+                # Rows that add 0 (a masked query token, a doc with no valid token) store 0,
+                # which the ranges' max keeps; any other row's -inf is real. Every row is
+                # written, so the reduce reads whole rows without masks. Layout: [Nd,
+                # DOC_SPLITS, groups, rows].
+                if HAS_D_MASK:
+                    has_token = doc_has_token(
+                        final, q_valid, d_mask, d_mask_base, stride_dmt, d_len
+                    )
+                    scored = q_valid & ((final != float("-inf")) | has_token)
+                else:
+                    scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 tl.store(
                     Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final
                 )
@@ -294,6 +311,7 @@ def maxsim_dense_triton_fwd_kernel(
                 other=0,
             )
 
+            seen = tl.zeros([], dtype=tl.int32)  # whether the doc's tiles so far held a valid token
         for step in range(0, DOCS_PER_PROGRAM * tiles):
             n = step // tiles
             start = tl.cast((step - n * tiles) * BLOCK_L, tl.int64)  # offsets are 64-bit
@@ -332,6 +350,10 @@ def maxsim_dense_triton_fwd_kernel(
                 sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
             best = row_max(best, sim, TOKEN_ROWS)
 
+            if HAS_D_MASK:
+                # Read from the mask this step loaded anyway: docs here are a tile or two,
+                # and a scan of its own per doc would be another load per step.
+                seen = tl.maximum(seen, tl.max(t_valid.to(tl.int32), axis=0))
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
             last = (start + BLOCK_L) >= Ld
             if NORMALIZE:
@@ -339,7 +361,11 @@ def maxsim_dense_triton_fwd_kernel(
             else:
                 final = best
 
-            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            if HAS_D_MASK:
+                scored = q_valid & (seen != 0)
+            else:
+                scored = q_valid & (d_len > 0)
+            final = tl.where(scored, final, 0.0)
             scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
 
             # Stored only after the doc's last tile, and never past the last doc: both as a
@@ -351,6 +377,8 @@ def maxsim_dense_triton_fwd_kernel(
                 mask=group_queries < rows_to_store,
             )
             best = tl.where(last, float("-inf"), best)
+            if HAS_D_MASK:
+                seen = tl.where(last, 0, seen)
 
 
 def cdiv(a, b):

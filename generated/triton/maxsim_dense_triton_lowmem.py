@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 95bbcbf4f4cacd35683a1872ef52199da73c888ae9c3c082f57ab43ce1ee0785
+# body-sha256: 040e083239da416a1b6077c1ad6d5c9f5a8464f786766a5a327d5e189bc8cdb9
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -224,8 +225,13 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)

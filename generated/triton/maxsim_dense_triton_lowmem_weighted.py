@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 40e8d5b4b9f23985295fb704d13c075ebc36a09142ee0e14e251d8d3a6b0c9fb
+# body-sha256: 95886bd8f6fe0489d941ed1ac1c1f451e7bcaf1658c5fbf05f077b7926aaad62
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -194,8 +195,13 @@ def maxsim_dense_triton_lowmem_weighted_fwd_kernel(
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     best = best * weight
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)

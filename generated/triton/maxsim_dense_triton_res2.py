@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: b7613e54fb63b22dad9001f6670c042cf0cfc6bfece3617cf99067aea2f508f4
+# body-sha256: aff3afdc4cdd982b0ee9908e61f12e604355b5bfc355e8e62094229861fbc7b9
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -426,7 +427,8 @@ def maxsim_dense_triton_res2_fwd_kernel(
                 else:
                     final = best
 
-                final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+                scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
                 scores = tl.where(bad, float("nan"), scores)
 
@@ -443,9 +445,12 @@ def maxsim_dense_triton_res2_fwd_kernel(
                 else:
                     final = best
 
-                # Every row is written (-inf where no valid query token), so the reduce reads
-                # whole rows without masks. Layout: [Nd, DOC_SPLITS, groups, rows].
-                final = tl.where(q_valid, final, float("-inf"))
+                # Rows that add 0 (a masked query token, a doc with no valid token) store 0,
+                # which the ranges' max keeps; any other row's -inf is real. Every row is
+                # written, so the reduce reads whole rows without masks. Layout: [Nd,
+                # DOC_SPLITS, groups, rows].
+                scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 tl.store(
                     Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final
                 )
@@ -519,7 +524,8 @@ def maxsim_dense_triton_res2_fwd_kernel(
             else:
                 final = best
 
-            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            scored = q_valid & (d_len > 0)
+            final = tl.where(scored, final, 0.0)
             scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
             scores = tl.where(bad, float("nan"), scores)
 

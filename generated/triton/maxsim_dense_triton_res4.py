@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 13143c4c5829613b24ae00521727e4e7544dd11a5f434e2b2bd7d16e5aa16394
+# body-sha256: 73c00b3ac70477836fcf59af8fc7b1b2858882a36649cf0d7501f09ba2186c3b
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -403,7 +404,8 @@ def maxsim_dense_triton_res4_fwd_kernel(
                 else:
                     final = best
 
-                final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+                scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
                 scores = tl.where(bad, float("nan"), scores)
 
@@ -420,9 +422,12 @@ def maxsim_dense_triton_res4_fwd_kernel(
                 else:
                     final = best
 
-                # Every row is written (-inf where no valid query token), so the reduce reads
-                # whole rows without masks. Layout: [Nd, DOC_SPLITS, groups, rows].
-                final = tl.where(q_valid, final, float("-inf"))
+                # Rows that add 0 (a masked query token, a doc with no valid token) store 0,
+                # which the ranges' max keeps; any other row's -inf is real. Every row is
+                # written, so the reduce reads whole rows without masks. Layout: [Nd,
+                # DOC_SPLITS, groups, rows].
+                scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 tl.store(
                     Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final
                 )
@@ -496,7 +501,8 @@ def maxsim_dense_triton_res4_fwd_kernel(
             else:
                 final = best
 
-            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            scored = q_valid & (d_len > 0)
+            final = tl.where(scored, final, 0.0)
             scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
             scores = tl.where(bad, float("nan"), scores)
 

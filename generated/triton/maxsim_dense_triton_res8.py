@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0af339dd348d9b8096f74a8795d6dd26d4ee958ded6c5b343b16d678b79b1c3a
+# body-sha256: 00d7cf8c74b907389e275262a665f6533486b8adc1af619067230edf96fa4153
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -417,7 +418,8 @@ def maxsim_dense_triton_res8_fwd_kernel(
                 else:
                     final = best
 
-                final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+                scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
                 scores = tl.where(bad, float("nan"), scores)
 
@@ -434,9 +436,12 @@ def maxsim_dense_triton_res8_fwd_kernel(
                 else:
                     final = best
 
-                # Every row is written (-inf where no valid query token), so the reduce reads
-                # whole rows without masks. Layout: [Nd, DOC_SPLITS, groups, rows].
-                final = tl.where(q_valid, final, float("-inf"))
+                # Rows that add 0 (a masked query token, a doc with no valid token) store 0,
+                # which the ranges' max keeps; any other row's -inf is real. Every row is
+                # written, so the reduce reads whole rows without masks. Layout: [Nd,
+                # DOC_SPLITS, groups, rows].
+                scored = q_valid & (d_len > 0)
+                final = tl.where(scored, final, 0.0)
                 tl.store(
                     Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final
                 )
@@ -511,7 +516,8 @@ def maxsim_dense_triton_res8_fwd_kernel(
             else:
                 final = best
 
-            final = tl.where(q_valid & (final != float("-inf")), final, 0.0)
+            scored = q_valid & (d_len > 0)
+            final = tl.where(scored, final, 0.0)
             scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
             scores = tl.where(bad, float("nan"), scores)
 

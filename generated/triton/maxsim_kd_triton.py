@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 42e8639c5f7a6c0dbf53b3d3a572a7b8b8934606c609aac79b27105b090fc1f1
+# body-sha256: 6c42400cdedde82953e8885cc68d8df7a4512511e1411ae62c03286d30a71b7c
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -142,8 +143,13 @@ def maxsim_kd_triton_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob + doc * stride_oc, score)

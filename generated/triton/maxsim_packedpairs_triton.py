@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 60996cbff2076ffe30038e7af879ad0237954209ab80393491bf225a19ccefca
+# body-sha256: 5702f7eec1676a75698c607ccc2b700cb7b9194773fd1cd98414de0e1db65f3d
 
 """MaxSim forward for maxsim_packedpairs_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -148,8 +149,9 @@ def maxsim_packedpairs_triton_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     score = tl.where(bad, float("nan"), score)

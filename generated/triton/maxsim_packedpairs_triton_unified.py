@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 39cbb389276ce9b782fde0956a4749c66ec9cad6e4d477b80f78874d1568ad5b
+# body-sha256: ea409d4c22b76d3c5133bea37aa9152d85a2a72e9d62feda9d420e6f4c8100d2
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -152,8 +153,9 @@ def maxsim_packedpairs_triton_unified_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     score = tl.where(bad, float("nan"), score)

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 960edcab16621fa6837f0d7b3b4037ee04346859dbde8bfa17d51744cbb7f747
+# body-sha256: 6c8dd1075a2f931df79848bf580fa19d44527cce96595e898e056f5ad7ae1b56
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -182,8 +183,13 @@ def maxsim_pairs_triton_lowmem_smooth_fwd_kernel(
 
     best, saved = _score_finish(state_a, state_b, tau, 1, 1)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob, score)

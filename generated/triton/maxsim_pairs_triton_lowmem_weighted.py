@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 86a3868c150590a3630be32d3c7abf7ed97d6cc2b2d139ee905f48e3a164f676
+# body-sha256: f19f30984ddb3cbf80b07059cf943d956d9e256919d5be4b5b4b89e85572d286
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -183,8 +184,13 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     best = best * weight
     score = tl.sum(best, axis=0)

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d1274807fd2dd893f7278ad9b97a5ee4ff0dc066c71f433ce788cd8b005bded9
+# body-sha256: de305a24178aecca3b1c1481cf53bf934e9d692165c4f9c4f856d77967488c42
 
 """MaxSim training (unified backward) for maxsim_pairs_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -141,8 +142,13 @@ def maxsim_pairs_triton_unified_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob, score)

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: a830214e806c281daad8b2d2773df907e6b954fffe539bae023745662eae0744
+# body-sha256: c4ffa491b852bf58f1ca8ee650b8e01f936e0b5435b522bd54440a459221d3e4
 
 """MaxSim forward for maxsim_pairs_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -180,8 +181,13 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    if HAS_D_MASK:
+        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+        scored = q_valid & ((best != float("-inf")) | has_token)
+    else:
+        scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     best = best * weight
     score = tl.sum(best, axis=0)

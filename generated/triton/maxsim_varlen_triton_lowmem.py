@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3254a16a197fa1d1f3d028004c6aa5470a959f28c8ee6355a5aa8887c13bcd87
+# body-sha256: e95b109f1d8e666b181a1b329c543cc0e6b323eecbd49241d1b412be3df42b2a
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -156,8 +157,9 @@ def maxsim_varlen_triton_lowmem_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: ef004ab55b7b844246e022a02da41d8ece7c0f43b7b345d54099ebce4c4e02ed
+# body-sha256: 4f1ead871b0c2e11a3e6d7c35cc3f490907175d204c79d63cd28a3e4291a61cc
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -299,8 +300,9 @@ def maxsim_varlen_triton_res8_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)

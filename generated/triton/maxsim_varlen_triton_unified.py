@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8dfda31240ef37739725c539fc5566745cfa31a4890abd6f1aea1079052e4e62
+# body-sha256: c1e0c9fbfe2b2db48b8f89c1d5727a7cbf39509bd4a1ad2da82b8b7b8c669283
 
 """MaxSim training (unified backward) for maxsim_varlen_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -156,8 +157,9 @@ def maxsim_varlen_triton_unified_fwd_kernel(
 
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-    scored = q_valid & (best != float("-inf"))
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf.
+    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)

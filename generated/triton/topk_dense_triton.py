@@ -2,7 +2,7 @@
 # kernel: topk_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "topk", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d43fef85fe4e2cd4f5aad41db8b396cab9b7bbb235514ac15ae202aecbc50f8d
+# body-sha256: dfaf23bee9e946e97a88da365554e8eda16993975a629c1101b2d4b5f0b57a11
 
 """MaxSim top-k candidates (retrieval) for topk_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_has_token,
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
@@ -168,8 +169,13 @@ def topk_dense_triton_fwd_kernel(
 
         if NORMALIZE:
             best = best * q_scale
-        # A query token with no valid doc token (fully masked doc, empty doc) adds 0.
-        scored = q_valid & (best != float("-inf"))
+        # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+        # row of -inf similarities is a real -inf.
+        if HAS_D_MASK:
+            has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+            scored = q_valid & ((best != float("-inf")) | has_token)
+        else:
+            scored = q_valid & (d_len > 0)
         best = tl.where(scored, best, 0.0)
         scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
         top_scores, top_ranks, top_docs = topk_insert(
