@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 2eabfec72158a5ff9dea84e183d38cb0cd12d975bf458ed3ae4366df850373a2
+# body-sha256: 9100e69358938e7d0b287537e1e907ed689cf7483a805f5025cfbd79cf47fbc5
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -260,18 +260,19 @@ def maxsim_dense_triton_lowmem_smooth_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask,
+        other=0.0,
+    ).to(tl.float32)
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
             != 0
         )
+        q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
     else:
         q_valid = q_in_range
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
     if NORMALIZE:
         q_inv_norm = inv_l2_norm(q_raw)
         q_hat = q_raw * q_inv_norm[:, None]
@@ -412,18 +413,19 @@ def maxsim_dense_triton_lowmem_smooth_bwd_d_kernel(
             other=float("-inf"),
         )
 
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask,
+            other=0.0,
+        ).to(tl.float32)
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
                 != 0
             )
+            q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
         else:
             q_valid = q_in_range
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask & q_valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
         if NORMALIZE:
             q_inv_norm = inv_l2_norm(q_raw)
             q_hat = q_raw * q_inv_norm[:, None]

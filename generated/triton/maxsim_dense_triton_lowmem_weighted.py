@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 95886bd8f6fe0489d941ed1ac1c1f451e7bcaf1658c5fbf05f077b7926aaad62
+# body-sha256: 894c250fc86968c71217138430b1d11b6de1db47ad40397a7762773b52aa7449
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -267,18 +267,19 @@ def maxsim_dense_triton_lowmem_weighted_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask,
+        other=0.0,
+    ).to(tl.float32)
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
             != 0
         )
+        q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
     else:
         q_valid = q_in_range
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
     if NORMALIZE:
         q_inv_norm = inv_l2_norm(q_raw)
         q_hat = q_raw * q_inv_norm[:, None]
@@ -433,18 +434,19 @@ def maxsim_dense_triton_lowmem_weighted_bwd_d_kernel(
             other=-1,
         )
 
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask,
+            other=0.0,
+        ).to(tl.float32)
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
                 != 0
             )
+            q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
         else:
             q_valid = q_in_range
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask & q_valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
         if NORMALIZE:
             q_inv_norm = inv_l2_norm(q_raw)
             q_hat = q_raw * q_inv_norm[:, None]

@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d452862ff2fda67b434e0c974fff5674857c00ee6c15e1067f26083f6b6cec40
+# body-sha256: d4fe8c721f29213b71af7975fab4c584dcd4ba8649b3bf7d6dee97157e5c571a
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -295,13 +295,15 @@ def maxsim_kd_triton_lowmem_bwd_d_kernel(
         mask=q_in_range,
         other=-1,
     )
-    # Only the query tokens that won a doc token are read: a masked one may hold NaN,
-    # which the one-hot's 0 would not cancel in the dot (0 * NaN is NaN).
     q = tl.load(
         Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & (index >= 0)[:, None],
+        mask=q_tile_mask,
         other=0.0,
     )
+    # Only the query tokens that won a doc token count: a masked one may hold NaN, which
+    # the one-hot's 0 would not cancel in the dot (0 * NaN is NaN). A select, not a load
+    # mask, so the load need not wait for the argmax.
+    q = tl.where((index >= 0)[:, None], q, 0.0)
     if NORMALIZE:
         q = q.to(tl.float32)
         q = q * inv_l2_norm(q)[:, None]

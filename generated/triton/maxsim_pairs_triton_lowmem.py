@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5ea75d35e070bed267bd252797d6e02bbbd0c8d7e0c388cda99a9860da5e9e00
+# body-sha256: 4fb8ec6ee3323a764593ff66f96c63051bbeac07a03c16c05ead43d68d9112fc
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -275,13 +275,15 @@ def maxsim_pairs_triton_lowmem_bwd_d_kernel(
         mask=q_in_range,
         other=-1,
     )
-    # Only the query tokens that won a doc token are read: a masked one may hold NaN,
-    # which the one-hot's 0 would not cancel in the dot (0 * NaN is NaN).
     q = tl.load(
         Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & (index >= 0)[:, None],
+        mask=q_tile_mask,
         other=0.0,
     )
+    # Only the query tokens that won a doc token count: a masked one may hold NaN, which
+    # the one-hot's 0 would not cancel in the dot (0 * NaN is NaN). A select, not a load
+    # mask, so the load need not wait for the argmax.
+    q = tl.where((index >= 0)[:, None], q, 0.0)
     if NORMALIZE:
         q = q.to(tl.float32)
         q = q * inv_l2_norm(q)[:, None]

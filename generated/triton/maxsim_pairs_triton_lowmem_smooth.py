@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 6c8dd1075a2f931df79848bf580fa19d44527cce96595e898e056f5ad7ae1b56
+# body-sha256: e9d86cd0bf9f2da487db8787bca18f7bb1ad851a8d08b00676355cb71fe201b5
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -245,18 +245,19 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask,
+        other=0.0,
+    ).to(tl.float32)
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
             != 0
         )
+        q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
     else:
         q_valid = q_in_range
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
     if NORMALIZE:
         q_inv_norm = inv_l2_norm(q_raw)
         q_hat = q_raw * q_inv_norm[:, None]
@@ -389,18 +390,19 @@ def maxsim_pairs_triton_lowmem_smooth_bwd_d_kernel(
             Saved + query * stride_svb + offs_s * stride_svs, mask=q_in_range, other=float("-inf")
         )
 
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask,
+            other=0.0,
+        ).to(tl.float32)
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
                 != 0
             )
+            q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
         else:
             q_valid = q_in_range
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask & q_valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
         if NORMALIZE:
             q_inv_norm = inv_l2_norm(q_raw)
             q_hat = q_raw * q_inv_norm[:, None]

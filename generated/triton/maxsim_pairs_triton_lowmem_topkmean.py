@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 9f25de1500860d6f1c8a6940100983698b7cb184f95085294ad6fd85f370d044
+# body-sha256: cdd0e994ea1ccfec76cd4146a9d0a56f06cc056f39e805805615a4f283ce8644
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -275,18 +275,19 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_q_kernel(
     slots = tl.arange(0, TOKEN_SLOTS)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask,
+        other=0.0,
+    ).to(tl.float32)
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
             != 0
         )
+        q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
     else:
         q_valid = q_in_range
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
     if NORMALIZE:
         q_inv_norm = inv_l2_norm(q_raw)
         q_hat = q_raw * q_inv_norm[:, None]
@@ -430,18 +431,19 @@ def maxsim_pairs_triton_lowmem_topkmean_bwd_d_kernel(
             other=-1,
         )
 
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask,
+            other=0.0,
+        ).to(tl.float32)
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
                 != 0
             )
+            q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
         else:
             q_valid = q_in_range
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask & q_valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
         if NORMALIZE:
             q_inv_norm = inv_l2_norm(q_raw)
             q_hat = q_raw * q_inv_norm[:, None]

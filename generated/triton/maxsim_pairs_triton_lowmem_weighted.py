@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: f19f30984ddb3cbf80b07059cf943d956d9e256919d5be4b5b4b89e85572d286
+# body-sha256: b430c46689e22358a23da97ff759b1bc184a05354ed37c173e726339a1bc3427
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -252,18 +252,19 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_q_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q_in_range = offs_s < Lq
     q_tile_mask = q_in_range[:, None] & (offs_k[None, :] < dim)
+    q_raw = tl.load(
+        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+        mask=q_tile_mask,
+        other=0.0,
+    ).to(tl.float32)
     if HAS_Q_MASK:
         q_valid = q_in_range & (
             tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
             != 0
         )
+        q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
     else:
         q_valid = q_in_range
-    q_raw = tl.load(
-        Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-        mask=q_tile_mask & q_valid[:, None],
-        other=0.0,
-    ).to(tl.float32)
     if NORMALIZE:
         q_inv_norm = inv_l2_norm(q_raw)
         q_hat = q_raw * q_inv_norm[:, None]
@@ -406,18 +407,19 @@ def maxsim_pairs_triton_lowmem_weighted_bwd_d_kernel(
         g = tl.load(Grad + query * stride_gb)
         saved = tl.load(Saved + query * stride_svb + offs_s * stride_svs, mask=q_in_range, other=-1)
 
+        q_raw = tl.load(
+            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=q_tile_mask,
+            other=0.0,
+        ).to(tl.float32)
         if HAS_Q_MASK:
             q_valid = q_in_range & (
                 tl.load(q_mask + query * stride_qmb + offs_s * stride_qms, mask=q_in_range, other=0)
                 != 0
             )
+            q_raw = tl.where(q_valid[:, None], q_raw, 0.0)
         else:
             q_valid = q_in_range
-        q_raw = tl.load(
-            Q + query * stride_qb + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
-            mask=q_tile_mask & q_valid[:, None],
-            other=0.0,
-        ).to(tl.float32)
         if NORMALIZE:
             q_inv_norm = inv_l2_norm(q_raw)
             q_hat = q_raw * q_inv_norm[:, None]
