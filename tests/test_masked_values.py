@@ -380,9 +380,9 @@ def _neg_inf_rows(layout, masked, Ld=37):
     return _poison(Q, q_mask, NAN), _poison(D, d_mask, NAN), q_mask, d_mask
 
 
-def _reference_of(layout, Q, D, q_mask, d_mask):
+def _reference_of(layout, Q, D, q_mask, d_mask, normalize=False):
     reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
-    return reference(Q.double(), D.double(), q_mask, d_mask).float()
+    return reference(Q.double(), D.double(), q_mask, d_mask, normalize=normalize).float()
 
 
 def _expect_tensor(out, want):
@@ -454,6 +454,26 @@ def test_inf_rule_in_every_layout(lik_path, entry, masked):
     want = _reference_of(layout, Q, D, q_mask, d_mask)
     assert want.isinf().any()
     _expect_tensor(ENTRIES[entry](Q.clone(), D, q_mask, d_mask), want)
+
+
+@quiet_numpy
+@pytest.mark.parametrize("backward", [None, "unified", "lowmem"])
+@pytest.mark.parametrize("layout", ["dense", "kd", "pairs"])
+def test_a_normalized_inf_token_against_a_fully_masked_doc_adds_0(lik_path, layout, backward):
+    """Normalized, a query token holding inf is NaN: its scores against docs with a valid
+    token are NaN, and against a fully masked doc it adds 0 (the kernels scale the max by
+    the query's inverse norm, NaN here, after deciding which tokens count)."""
+    Q, D, q_mask, d_mask = _neg_inf_rows(layout, True)
+    Q[0, 0] = torch.tensor([INF, 0.0, 0.0, 0.0])
+    if layout == "pairs":
+        d_mask[0] = False
+        D = _poison(D, d_mask, NAN)
+    entry = maxsim_pairs if layout == "pairs" else maxsim
+    out = entry(Q.requires_grad_(backward is not None), D, q_mask, d_mask, normalize=True,
+                backward=backward)  # fmt: skip
+    want = _reference_of(layout, Q.detach(), D, q_mask, d_mask, normalize=True)
+    assert (want[0] == 0).any() and (layout == "pairs" or want[0].isnan().any())
+    _expect_tensor(out.detach(), want)
 
 
 @quiet_numpy

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 26ebbb5ae4eb63b9281f1145d494ebf8f890442581157851829295d3962ecf5b
+# body-sha256: 4dd85eaa055a06fb680f369a238c49ffab4cc9abe1578eaa5d4c856dba4613f1
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -243,10 +243,8 @@ def maxsim_dense_triton_fwd_kernel(
                     final = best
 
                 if HAS_D_MASK:
-                    has_token = doc_has_token(
-                        final, q_valid, d_mask, d_mask_base, stride_dmt, d_len
-                    )
-                    scored = q_valid & ((final != float("-inf")) | has_token)
+                    has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+                    scored = q_valid & ((best != float("-inf")) | has_token)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -270,10 +268,8 @@ def maxsim_dense_triton_fwd_kernel(
                 # written, so the reduce reads whole rows without masks. Layout: [Nd,
                 # DOC_SPLITS, groups, rows].
                 if HAS_D_MASK:
-                    has_token = doc_has_token(
-                        final, q_valid, d_mask, d_mask_base, stride_dmt, d_len
-                    )
-                    scored = q_valid & ((final != float("-inf")) | has_token)
+                    has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
+                    scored = q_valid & ((best != float("-inf")) | has_token)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)

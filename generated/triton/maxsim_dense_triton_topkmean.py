@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 3f8fbbb2ee14a5a5d1eec52307a5d8100e2a464bb3f383031c549697c5b9543c
+# body-sha256: 54a30763a0f08d3cbaced7c020d253369cf16ad4f406a8ef9653be046fa9d530
 
 """MaxSim forward for maxsim_dense_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -214,14 +214,15 @@ def maxsim_dense_triton_topkmean_fwd_kernel(
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, TOKEN_K, TOKEN_SLOTS)
 
     best, saved = _score_finish(state_a, state_b, 1.0, TOKEN_K, TOKEN_SLOTS)
-    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-    # row of -inf similarities is a real -inf.
+    # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+    # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
         scored = q_valid & ((best != float("-inf")) | has_token)
     else:
         scored = q_valid & (d_len > 0)
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: b69469628907bf1b94f5c25c96f6c874c7b5699faa067790a95d78dac32159ca
+# body-sha256: 810d26ef37eb1325f1c7218f5072235dcd7a6600defa11c7d453814e49ce1124
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -190,14 +190,15 @@ def maxsim_dense_triton_weighted_fwd_kernel(
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, 1.0, 1, 1)
 
     best, saved = _score_finish(state_a, state_b, 1.0, 1, 1)
-    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-    # row of -inf similarities is a real -inf.
+    # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+    # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
         scored = q_valid & ((best != float("-inf")) | has_token)
     else:
         scored = q_valid & (d_len > 0)
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     best = best * weight
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)

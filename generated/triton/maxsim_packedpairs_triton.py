@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5702f7eec1676a75698c607ccc2b700cb7b9194773fd1cd98414de0e1db65f3d
+# body-sha256: 82609015f6783fc19b46c47deae828c101cd7d8d805a19cbb478fba12d513f48
 
 """MaxSim forward for maxsim_packedpairs_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -147,11 +147,12 @@ def maxsim_packedpairs_triton_fwd_kernel(
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best = row_max(best, sim, TOKEN_ROWS)
 
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+    # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
+    scored = q_valid & (d_len > 0)
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-    # row of -inf similarities is a real -inf.
-    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     score = tl.where(bad, float("nan"), score)

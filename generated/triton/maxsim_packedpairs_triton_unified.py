@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: ea409d4c22b76d3c5133bea37aa9152d85a2a72e9d62feda9d420e6f4c8100d2
+# body-sha256: 6bb699d6246dfa0aa850a747660eb3efc8d5c75cb8553db04ee5e51616fc4270
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -151,11 +151,12 @@ def maxsim_packedpairs_triton_unified_fwd_kernel(
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best, best_index = row_argmax(sim, best, best_index, start, BLOCK_L)
 
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+    # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
+    scored = q_valid & (d_len > 0)
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-    # row of -inf similarities is a real -inf.
-    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     score = tl.where(bad, float("nan"), score)

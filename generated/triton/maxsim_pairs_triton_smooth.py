@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 8c9f83cae1058a728aabc7e09db9ed42879f0674328fad4ffed8819d0458e549
+# body-sha256: 099d74ac3aa486874d3efd095549c3ad1feeaef9d27e3a112d746eecbe59b36c
 
 """MaxSim forward for maxsim_pairs_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -179,14 +179,15 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
         state_a, state_b = _score_update(state_a, state_b, sim, offs_t, tau, 1, 1)
 
     best, saved = _score_finish(state_a, state_b, tau, 1, 1)
-    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-    # row of -inf similarities is a real -inf.
+    # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+    # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
         scored = q_valid & ((best != float("-inf")) | has_token)
     else:
         scored = q_valid & (d_len > 0)
+    best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
     tl.store(Out + query * stride_ob, score)

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c1e0c9fbfe2b2db48b8f89c1d5727a7cbf39509bd4a1ad2da82b8b7b8c669283
+# body-sha256: d18ae953447c7281ce59ced151034dd0542f8817d66856b8b8a007cff752e052
 
 """MaxSim training (unified backward) for maxsim_varlen_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -155,11 +155,12 @@ def maxsim_varlen_triton_unified_fwd_kernel(
             sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
         best, best_index = row_argmax(sim, best, best_index, start, BLOCK_L)
 
+    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
+    # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+    # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
+    scored = q_valid & (d_len > 0)
     if NORMALIZE:
         best = best * q_scale
-    # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-    # row of -inf similarities is a real -inf.
-    scored = q_valid & (d_len > 0)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
     group_queries = group * QUERY_GROUP + tl.arange(0, QUERY_GROUP)

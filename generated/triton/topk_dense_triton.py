@@ -2,7 +2,7 @@
 # kernel: topk_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "topk", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: dfaf23bee9e946e97a88da365554e8eda16993975a629c1101b2d4b5f0b57a11
+# body-sha256: 9c96b85fa947044d7a6b8e4d60e3f121e9de99aa1fdc9ae1a35787e7d686f32b
 
 """MaxSim top-k candidates (retrieval) for topk_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -167,15 +167,16 @@ def topk_dense_triton_fwd_kernel(
                 sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
             best = row_max(best, sim, TOKEN_ROWS)
 
-        if NORMALIZE:
-            best = best * q_scale
         # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
-        # row of -inf similarities is a real -inf.
+        # row of -inf similarities is a real -inf. Decided on the max before any scale: a
+        # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
         if HAS_D_MASK:
             has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
             scored = q_valid & ((best != float("-inf")) | has_token)
         else:
             scored = q_valid & (d_len > 0)
+        if NORMALIZE:
+            best = best * q_scale
         best = tl.where(scored, best, 0.0)
         scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
         top_scores, top_ranks, top_docs = topk_insert(
