@@ -193,6 +193,8 @@ def kernel_args(
         fwd += [KernelArg("q_mask", "q_mask")]
     if variant.mask.has_d:
         fwd += [KernelArg("d_mask", "d_mask")]
+        if variant.target is Target.TRITON:  # each doc's count of valid tokens
+            fwd += [KernelArg("d_tokens", "valid_tokens(d_mask)")]
     if variant.mask.has_q:
         fwd_strides += strides("qm", "q_mask", ("b", "s"))
     if variant.mask.has_d:

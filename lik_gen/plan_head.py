@@ -114,15 +114,15 @@ def _forward_args() -> tuple[KernelArg, ...]:
 
 
 def _reduce_args() -> tuple[KernelArg, ...]:
-    """What the reduce kernel reads: the forward's partials, the doc mask (which docs have
-    a valid token), the outputs, their sizes."""
-    names = (("Partial", "partial"), ("PartialIndex", "partial_index"), ("d_mask", "d_mask"),
-             ("Out", "out"), ("Argmax", "argmax"))  # fmt: skip
+    """What the reduce kernel reads: the forward's partials, each doc's count of valid
+    tokens (kernel_lib.valid_tokens), the outputs, their sizes."""
+    names = (("Partial", "partial"), ("PartialIndex", "partial_index"),
+             ("d_tokens", "valid_tokens(d_mask)"), ("Out", "out"),
+             ("Argmax", "argmax"))  # fmt: skip
     tensors = [KernelArg(name, expr) for name, expr in names]
     sizes = [KernelArg(s, s) for s in REDUCE_SIZES]
     tensor_strides = (
         strides("p", "partial", ("b", "n"))
-        + strides("dm", "d_mask", ("b", "t"))
         + strides("o", "out", ("b", "c"))
         + strides("a", "argmax", ("b", "c", "s"))
     )

@@ -47,27 +47,22 @@ def token_valid(mask, base, offs, stride, length):
     return tl.load(mask + base + offs * stride, mask=offs < length, other=0) != 0
 
 
-# Doc-mask entries one step of doc_has_token reads: one step for docs up to this long.
-MASK_SCAN = tl.constexpr(1024)
+def valid_tokens(d_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Each doc's count of valid tokens, int32, contiguous, d_mask's shape without its token
+    axis; counted once per launch (one small reduction) for doc_has_token."""
+    return None if d_mask is None else d_mask.sum(-1, dtype=torch.int32)
 
 
 @triton.jit
-def doc_has_token(best, q_valid, d_mask, base, stride, d_len):
-    """Whether a doc with a mask (entries d_mask[base + t * stride], t < d_len) has a valid
-    token, as far as its query rows' maxima `best` need to know. A valid row's max of -inf
-    is a real -inf when the doc has a valid token (every valid similarity was -inf) and
-    adds 0 when it has none: the mask decides, never the value. So the mask is read, once
-    per doc, only when some valid row's max is -inf; otherwise every valid row's max came
-    from a valid token, and the answer (True) does not matter."""
-    lost = tl.max((q_valid & (best == float("-inf"))).to(tl.int32), axis=0)
-    found = lost == 0
-    if lost != 0:
-        count = tl.zeros([], dtype=tl.int32)
-        for start in range(0, d_len, MASK_SCAN):
-            offs = start + tl.arange(0, MASK_SCAN)
-            count += tl.sum(token_valid(d_mask, base, offs, stride, d_len).to(tl.int32), axis=0)
-        found = count != 0
-    return found
+def doc_has_token(d_tokens, index):
+    """Whether a doc with a mask has a valid token, from its count (valid_tokens), so that
+    a valid row's max of -inf reads as real when it has one and adds 0 when it has none:
+    the mask decides, never the value. A scalar load per doc: deciding it in the kernel
+    (a max over the rows' maxima, then a scan of the mask where one was -inf; in the flat
+    loop a max over each step's mask) cost 3-15% (H200, doc masks, GPU time: in-batch
+    256 x 256 x 32 x 300 0.389 -> 0.449 ms, 16 queries x 100k docs of 128 tokens 4.09 ->
+    4.51, 16 x 32 docs of 8192 0.094 -> 0.096; a training forward 0.769 -> 0.850)."""
+    return tl.load(d_tokens + index) != 0
 
 
 @triton.jit

@@ -155,10 +155,11 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
     # Dense inference walks blocks of docs (flat or nested) or splits long ones: it also
     # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS, the token ranges' row maxima
     # (Partial) and their arrival counts (Arrivals), peels a partial last tile (PEEL_TAIL)
-    # into a TAIL_L-token tile, and may hint its doc loads evict-first (EVICT_DOCS).
+    # into a TAIL_L-token tile, and may hint its doc loads evict-first (EVICT_DOCS). With a
+    # doc mask comes each doc's count of valid tokens (d_tokens).
     assert signature("maxsim_dense_triton") == [
-        "Q", "D", "q_mask", "d_mask", "Out", "Partial", "Arrivals", "Nq", "Nd", "Lq", "Ld",
-        "dim", "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
+        "Q", "D", "q_mask", "d_mask", "d_tokens", "Out", "Partial", "Arrivals", "Nq", "Nd", "Lq",
+        "Ld", "dim", "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
         "stride_qmb", "stride_qms", "stride_dmb", "stride_dmt", "stride_ob", "stride_oc",
         "BLOCK_Q: tl.constexpr", "BLOCK_L: tl.constexpr", "BLOCK_K: tl.constexpr",
         "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr",
@@ -168,7 +169,7 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
         "TAIL_L: tl.constexpr", "EVICT_DOCS: tl.constexpr",
     ]  # fmt: skip
     kd = signature("maxsim_kd_triton")
-    assert kd[:5] == ["Q", "D", "q_mask", "d_mask", "Out"]
+    assert kd[:6] == ["Q", "D", "q_mask", "d_mask", "d_tokens", "Out"]
     assert {"stride_dc", "stride_dmc", "stride_qms", "K", "HAS_D_MASK: tl.constexpr"} <= set(kd)
     assert "Nd" not in kd and "Nq" not in kd and "QUERY_GROUP: tl.constexpr" not in kd
 

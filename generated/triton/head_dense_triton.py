@@ -2,7 +2,7 @@
 # kernel: head_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "head", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2
-# body-sha256: f022f3c484da409e5ef21ed8200754db744545a50d7951de1b2c6338b89968e8
+# body-sha256: 956337c9fd231b89db770dc56f6ee96f563db0a923f40b6f3763dbb0cce57b9b
 
 """Projection head + MaxSim forward for head_dense_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     inv_l2_norm,
     max_keep_nan,
     row_max_index,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -222,7 +223,7 @@ def head_dense_triton_fwd_kernel(
 def head_dense_triton_reduce_kernel(
     Partial,
     PartialIndex,
-    d_mask,
+    d_tokens,
     Out,
     Argmax,
     Nq,
@@ -230,8 +231,6 @@ def head_dense_triton_reduce_kernel(
     Ld,
     stride_pb,
     stride_pn,
-    stride_dmb,
-    stride_dmt,
     stride_ob,
     stride_oc,
     stride_ab,
@@ -247,7 +246,7 @@ def head_dense_triton_reduce_kernel(
     # One program per (document, query group): the max of each query token over the doc
     # blocks, summed over the query's tokens. A token with no valid doc token (fully
     # masked doc) adds 0 and, with SAVE_ARGMAX, gets winner -1; one whose valid
-    # similarities are all -inf adds -inf (the doc's mask decides, kernel_lib.doc_has_token).
+    # similarities are all -inf adds -inf (the doc's count of valid tokens decides).
     pid = tl.program_id(0).to(tl.int64)
     groups = tl.cdiv(Nq, QUERY_GROUP)
     doc = pid // groups
@@ -282,8 +281,7 @@ def head_dense_triton_reduce_kernel(
         if SAVE_ARGMAX:
             best = tl.where(poisoned, float("nan"), best)
         if HAS_D_MASK:
-            has_token = doc_has_token(best, q_in, d_mask, doc * stride_dmb, stride_dmt, Ld)
-            scored = q_in & ((best != float("-inf")) | has_token)
+            scored = q_in & doc_has_token(d_tokens, doc)
         else:
             scored = q_in & (Ld > 0)
         total += tl.sum(tl.reshape(tl.where(scored, best, 0.0), [QUERY_GROUP, BLOCK_Q]), axis=1)
@@ -444,13 +442,12 @@ def launch(out, Q, H, W, *, b=None, d_mask=None, argmax=None, normalize, config)
         num_stages=config.num_stages,
     )
     partial_strides = partial.stride()
-    d_mask_strides = NO_STRIDES if d_mask is None else d_mask.stride()
     out_strides = out.stride()
     argmax_strides = NO_STRIDES if argmax is None else argmax.stride()
     head_dense_triton_reduce_kernel[reduce_grid(Nd, Nq, config.query_group)](
         partial,
         partial_index,
-        d_mask,
+        valid_tokens(d_mask),
         out,
         argmax,
         Nq,
@@ -458,8 +455,6 @@ def launch(out, Q, H, W, *, b=None, d_mask=None, argmax=None, normalize, config)
         Ld,
         partial_strides[0],
         partial_strides[1],
-        d_mask_strides[0],
-        d_mask_strides[1],
         out_strides[0],
         out_strides[1],
         argmax_strides[0],

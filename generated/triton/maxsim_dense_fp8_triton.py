@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": true, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6989dd846b40a66af5a93eea453b91852585e2ab4382ee296c98cb22f6ce1a3c
+# body-sha256: 478a1e2ae5c0dcea75e21e00306c8a935d090de30f649997b9fc4915a1d0e798
 
 """MaxSim forward for maxsim_dense_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -69,6 +70,7 @@ def maxsim_dense_fp8_triton_fwd_kernel(
     scale_D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Nq,
     Lq,
@@ -177,8 +179,7 @@ def maxsim_dense_fp8_triton_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, doc)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -229,6 +230,7 @@ def launch(out, Q, D, scale_Q, scale_D, q_mask=None, d_mask=None, *, normalize, 
         scale_D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         Nq,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4dd85eaa055a06fb680f369a238c49ffab4cc9abe1578eaa5d4c856dba4613f1
+# body-sha256: d59e9da56286f6b924ce688dd74603a664e044b97529cbf57d049ab6c94a51e1
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 from lik.runtime.workspace import zeroed_counters
@@ -68,6 +69,7 @@ def maxsim_dense_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Partial,
     Arrivals,
@@ -243,8 +245,7 @@ def maxsim_dense_triton_fwd_kernel(
                     final = best
 
                 if HAS_D_MASK:
-                    has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-                    scored = q_valid & ((best != float("-inf")) | has_token)
+                    scored = q_valid & doc_has_token(d_tokens, doc)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -268,8 +269,7 @@ def maxsim_dense_triton_fwd_kernel(
                 # written, so the reduce reads whole rows without masks. Layout: [Nd,
                 # DOC_SPLITS, groups, rows].
                 if HAS_D_MASK:
-                    has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-                    scored = q_valid & ((best != float("-inf")) | has_token)
+                    scored = q_valid & doc_has_token(d_tokens, doc)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -307,7 +307,6 @@ def maxsim_dense_triton_fwd_kernel(
                 other=0,
             )
 
-            seen = tl.zeros([], dtype=tl.int32)  # whether the doc's tiles so far held a valid token
         for step in range(0, DOCS_PER_PROGRAM * tiles):
             n = step // tiles
             start = tl.cast((step - n * tiles) * BLOCK_L, tl.int64)  # offsets are 64-bit
@@ -346,10 +345,6 @@ def maxsim_dense_triton_fwd_kernel(
                 sim = tl.where(per_token(t_valid, TOKEN_ROWS), sim, float("-inf"))
             best = row_max(best, sim, TOKEN_ROWS)
 
-            if HAS_D_MASK:
-                # Read from the mask this step loaded anyway: docs here are a tile or two,
-                # and a scan of its own per doc would be another load per step.
-                seen = tl.maximum(seen, tl.max(t_valid.to(tl.int32), axis=0))
             # After a doc's last tile: its scores, then a fresh running max for the next doc.
             last = (start + BLOCK_L) >= Ld
             if NORMALIZE:
@@ -358,7 +353,7 @@ def maxsim_dense_triton_fwd_kernel(
                 final = best
 
             if HAS_D_MASK:
-                scored = q_valid & (seen != 0)
+                scored = q_valid & doc_has_token(d_tokens, doc)
             else:
                 scored = q_valid & (d_len > 0)
             final = tl.where(scored, final, 0.0)
@@ -373,8 +368,6 @@ def maxsim_dense_triton_fwd_kernel(
                 mask=group_queries < rows_to_store,
             )
             best = tl.where(last, float("-inf"), best)
-            if HAS_D_MASK:
-                seen = tl.where(last, 0, seen)
 
 
 def cdiv(a, b):
@@ -430,6 +423,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         partial,
         arrivals,

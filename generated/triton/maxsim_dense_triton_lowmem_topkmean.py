@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d043174310e9323405082e307abddbdc88274f01c2afcaababb2a583fb632a39
+# body-sha256: 705ec9196e8892cb767a084b4d8aaae3d07225c2948552b773b1f8b626ff847f
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -123,6 +124,7 @@ def maxsim_dense_triton_lowmem_topkmean_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Saved,
     Nq,
@@ -223,8 +225,7 @@ def maxsim_dense_triton_lowmem_topkmean_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, doc)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -539,6 +540,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, token_k, token_slots, saved, 
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         saved,
         Nq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: aff3afdc4cdd982b0ee9908e61f12e604355b5bfc355e8e62094229861fbc7b9
+# body-sha256: e0610a4a10e688e2c5824ad149660d37dd44d379a7770255e79880dbffb8e988
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 from lik.runtime.workspace import zeroed_counters

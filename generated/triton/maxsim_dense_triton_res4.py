@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 73c00b3ac70477836fcf59af8fc7b1b2858882a36649cf0d7501f09ba2186c3b
+# body-sha256: 4cccaf2de48e375545d918d6e946fd0fa6803156e8e637b5d7dfa6c60387a3b4
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 from lik.runtime.workspace import zeroed_counters

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 00d7cf8c74b907389e275262a665f6533486b8adc1af619067230edf96fa4153
+# body-sha256: 233210759e447ab886a7f13eb79e9a6bf082a70cde23b938a314f82c09b60418
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 from lik.runtime.workspace import zeroed_counters

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 9398a2786a48a02398a1aff9bc64f5f924cad7f5b243624e8a1fcbec3858af28
+# body-sha256: 910d2ce72e7d2ebe9ccce0cb9320e5191e4cc1e4ae364f6c4387bf12790b0118
 
 """MaxSim forward for maxsim_dense_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -99,6 +100,7 @@ def maxsim_dense_triton_smooth_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     tau,
     Nq,
@@ -193,8 +195,7 @@ def maxsim_dense_triton_smooth_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, doc)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -236,6 +237,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, tau, normalize, config):
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         tau,
         Nq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 810d26ef37eb1325f1c7218f5072235dcd7a6600defa11c7d453814e49ce1124
+# body-sha256: e0d2975de4ebcecd8cfaa8aa4c8d947edc62e830dd890b73f9894ecc6d8854c9
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -97,6 +98,7 @@ def maxsim_dense_triton_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Nq,
     Lq,
@@ -194,8 +196,7 @@ def maxsim_dense_triton_weighted_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, doc)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -240,6 +241,7 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, normalize, config):
         W,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         Nq,
         Lq,

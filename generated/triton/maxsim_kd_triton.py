@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8e1f92dcefe6dfde0f75c945443bce7a7d4554e9e437d00cddaa5462056eabaa
+# body-sha256: 5e5196825dcd792172ecbe3ed5a3050d54684f6bc79d4fd1c313b9f4a3c1ba5f
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -67,6 +68,7 @@ def maxsim_kd_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     K,
     Lq,
@@ -145,8 +147,7 @@ def maxsim_kd_triton_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query * K + doc)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -188,6 +189,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         K,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 6bb699d6246dfa0aa850a747660eb3efc8d5c75cb8553db04ee5e51616fc4270
+# body-sha256: 2e40fc4d9b1a83f1df08b2845de6cb93454bf81476b7ff967ed9d65c8115bf5a
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 

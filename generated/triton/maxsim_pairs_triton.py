@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 060c6783ce2aac4bcd997b466dc2918351411cd952f2e17d0ca8653dbce58b28
+# body-sha256: a2c6840a642dca15b38e0d47554f66b0f96d1469768859c0cbafd77cd8cf701f
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -67,6 +68,7 @@ def maxsim_pairs_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Lq,
     Ld,
@@ -140,8 +142,7 @@ def maxsim_pairs_triton_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -182,6 +183,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         Lq,
         Ld,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9c89ebede6485ea1cf0025dab6a24079c6d0e4c36c5991c07fcb4241096a086f
+# body-sha256: effea7854f86f340919f096c9fd0c7f600041aa0932e9b21c3cd11ac542424f0
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -67,6 +68,7 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Argmax,
     Lq,
@@ -144,8 +146,7 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -347,6 +348,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         argmax,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: bef0dc2caa238ee16dd42b08152bbe0a97b477df8d55466a6ff71cdae6b5ab77
+# body-sha256: 2ee0735564c44e26c348b9f9ed1499ff7a944f15c8738730dffa6239ccdd93f7
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -123,6 +124,7 @@ def maxsim_pairs_triton_lowmem_topkmean_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Saved,
     Lq,
@@ -212,8 +214,7 @@ def maxsim_pairs_triton_lowmem_topkmean_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -517,6 +518,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, token_k, token_slots, saved, 
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         saved,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 1db2fc2d7b29502aab69337a81f2c52d70fbea618fa2ae48805265e476496a23
+# body-sha256: 35fc157429bdbd967dbb996cd05742d029c80aff4b3749e484119562c7d19c3e
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -97,6 +98,7 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Saved,
     Lq,
@@ -187,8 +189,7 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -499,6 +500,7 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, saved, normalize, config):
         W,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         saved,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 099d74ac3aa486874d3efd095549c3ad1feeaef9d27e3a112d746eecbe59b36c
+# body-sha256: be3dbe90625708885370593f198a311a81bf4de2a032b817f4aa035f081d3e01
 
 """MaxSim forward for maxsim_pairs_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -99,6 +100,7 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     tau,
     Lq,
@@ -183,8 +185,7 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -224,6 +225,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, tau, normalize, config):
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         tau,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 5b8e94e2133566177b08d5e4aa4bf016bb5cac720811c2d0cbcfc56fa1a0b3e2
+# body-sha256: 2a8c26265a5e4c1d6d5ab86c79d304394027707ee3410b6d9238e005c09e93f2
 
 """MaxSim forward for maxsim_pairs_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -97,6 +98,7 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
+    d_tokens,
     Out,
     Lq,
     Ld,
@@ -184,8 +186,7 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
-        has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-        scored = q_valid & ((best != float("-inf")) | has_token)
+        scored = q_valid & doc_has_token(d_tokens, query)
     else:
         scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
@@ -228,6 +229,7 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, normalize, config):
         W,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         Lq,
         Ld,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: df4dcf1d9fb19d02a297c5e83bb51d221d808ccdfb09a0e048babe3ba9a0c604
+# body-sha256: b88ec726486da39fba5c165f26bc856219cfbf20f59ed52b41687077b0e6cb4b
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 74d1186812a6164de00a842a46054ef5693e1315f943cdc822f0910adc0be209
+# body-sha256: 804ea042671cf027e5fee50a9d897978ee1225b0e39e8a361734d24a2bedc89c
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 

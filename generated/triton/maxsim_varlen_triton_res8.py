@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 196dea8ddbadaf1756ed5771b89ce8a043f2031fab6a3aa29e8c344721857830
+# body-sha256: 86c4b63bd9a4be10398f4001760897f2c750d2baa6e34b77bc775808c99d5b5d
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d18ae953447c7281ce59ced151034dd0542f8817d66856b8b8a007cff752e052
+# body-sha256: 6d0d001c18deb8146e0a7af888645bdc6f48a4daaa707efca875d12375e0fdf1
 
 """MaxSim training (unified backward) for maxsim_varlen_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 

@@ -2,7 +2,7 @@
 # kernel: topk_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "topk", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9c96b85fa947044d7a6b8e4d60e3f121e9de99aa1fdc9ae1a35787e7d686f32b
+# body-sha256: 3f1f41c25e1f2211bc7b4f6a06d90b011fd1f41daf59593a7bcc676bd8d8989b
 
 """MaxSim top-k candidates (retrieval) for topk_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -28,6 +28,7 @@ from lik.runtime.kernel_lib import (
     tile_similarities,
     token_valid,
     topk_insert,
+    valid_tokens,
 )
 from lik.runtime.launch_cache import cached_launch
 
@@ -67,6 +68,7 @@ def topk_dense_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
+    d_tokens,
     CandScores,
     CandDocs,
     Nq,
@@ -171,8 +173,7 @@ def topk_dense_triton_fwd_kernel(
         # row of -inf similarities is a real -inf. Decided on the max before any scale: a
         # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
         if HAS_D_MASK:
-            has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
-            scored = q_valid & ((best != float("-inf")) | has_token)
+            scored = q_valid & doc_has_token(d_tokens, doc)
         else:
             scored = q_valid & (d_len > 0)
         if NORMALIZE:
@@ -235,6 +236,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, cand_docs, normalize, config)
         D,
         q_mask,
         d_mask,
+        valid_tokens(d_mask),
         out,
         cand_docs,
         Nq,
