@@ -1,18 +1,15 @@
-"""Autograd for the generated kernels.
-
-Eager calls go through a plain torch.autograd.Function: a custom op costs ~150 us of
-dispatch per call on the host (measured), more than a whole rerank kernel. Under
-torch.compile the same work goes through two torch.library custom ops, which the
-compiler treats as opaque nodes with known output shapes, so there is no graph break:
-`lik::maxsim_forward` scores and, when training, saves each query token's winning doc
-token; `lik::maxsim_backward` turns that argmax into gradients.
+"""maxsim and maxsim_pairs as an op family (lik.runtime.ops): `lik::maxsim_forward` scores
+and, when training, saves each query token's winning doc token; `lik::maxsim_backward`
+turns that argmax into gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from lik.runtime import dispatch
+from lik.runtime import dispatch, ops
 
 
 def _output_shape(layout: str, Q: torch.Tensor, D: torch.Tensor) -> tuple[int, ...]:
@@ -38,92 +35,39 @@ def _forward(Q, D, q_mask, d_mask, layout, normalize, backward):
     return out, argmax
 
 
-class _MaxSim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Q, D, q_mask, d_mask, layout, normalize, backward):
-        scores, argmax = _forward(Q, D, q_mask, d_mask, layout, normalize, backward)
-        ctx.save_for_backward(Q, D, argmax)
-        ctx.args = (layout, q_mask is not None, d_mask is not None, normalize, backward)
-        return scores
+@dataclasses.dataclass(frozen=True)
+class _MaxSimCall:
+    layout: str  # "dense", "kd" or "pairs"
+    normalize: bool
+    backward: str  # a strategy when training, else "none"
 
-    @staticmethod
-    def backward(ctx, grad_scores):
-        Q, D, argmax = ctx.saved_tensors
-        layout, has_q_mask, has_d_mask, normalize, backward = ctx.args
-        grad_q, grad_d = dispatch.backward(
-            layout, grad_scores, argmax, Q, D, has_q_mask, has_d_mask, normalize, backward
-        )
-        return grad_q, grad_d, None, None, None, None, None
+
+def _maxsim_forward(inputs, call: _MaxSimCall):
+    Q, D, q_mask, d_mask = inputs
+    scores, argmax = _forward(Q, D, q_mask, d_mask, call.layout, call.normalize, call.backward)
+    return (scores,), (argmax,)
+
+
+def _maxsim_fake(inputs, call: _MaxSimCall):
+    Q, D = inputs[:2]
+    shape = _output_shape(call.layout, Q, D)
+    argmax = None
+    if call.backward != "none":
+        argmax = Q.new_empty(shape + (Q.shape[1],), dtype=_argmax_dtype(D))
+    return (Q.new_empty(shape, dtype=torch.float32),), (argmax,)
+
+
+def _maxsim_backward(grads, inputs, saved, call: _MaxSimCall, needs):
+    Q, D, q_mask, d_mask = inputs
+    return dispatch.backward(call.layout, grads[0], saved[0], Q, D, q_mask is not None,
+                             d_mask is not None, call.normalize, call.backward)  # fmt: skip
+
+
+MAXSIM = ops.Family("maxsim", _MaxSimCall, _maxsim_forward, _maxsim_fake, _maxsim_backward,
+                    slots=2)  # fmt: skip
 
 
 def score(Q, D, q_mask, d_mask, layout: str, normalize: bool, backward: str) -> torch.Tensor:
     """Scores with the generated kernels; `backward` is a strategy when training, else "none"."""
-    if torch.compiler.is_compiling():
-        return maxsim_forward(Q, D, q_mask, d_mask, layout, normalize, backward)[0]
-    if backward == "none":
-        return _forward(Q, D, q_mask, d_mask, layout, normalize, backward)[0]
-    return _MaxSim.apply(Q, D, q_mask, d_mask, layout, normalize, backward)
-
-
-@torch.library.custom_op("lik::maxsim_forward", mutates_args=())
-def maxsim_forward(
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    q_mask: torch.Tensor | None,
-    d_mask: torch.Tensor | None,
-    layout: str,
-    normalize: bool,
-    backward: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores fp32, argmax). argmax is empty unless `backward` names a strategy."""
-    scores, argmax = _forward(Q, D, q_mask, d_mask, layout, normalize, backward)
-    if argmax is None:
-        argmax = torch.empty((0,), dtype=torch.int16, device=Q.device)
-    return scores, argmax
-
-
-@maxsim_forward.register_fake
-def _(Q, D, q_mask, d_mask, layout, normalize, backward):
-    shape = _output_shape(layout, Q, D)
-    if backward == "none":
-        argmax = Q.new_empty((0,), dtype=torch.int16)
-    else:
-        argmax = Q.new_empty(shape + (Q.shape[1],), dtype=_argmax_dtype(D))
-    return Q.new_empty(shape, dtype=torch.float32), argmax
-
-
-@torch.library.custom_op("lik::maxsim_backward", mutates_args=())
-def maxsim_backward(
-    grad_out: torch.Tensor,
-    argmax: torch.Tensor,
-    Q: torch.Tensor,
-    D: torch.Tensor,
-    layout: str,
-    has_q_mask: bool,
-    has_d_mask: bool,
-    normalize: bool,
-    backward: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return dispatch.backward(
-        layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, backward
-    )
-
-
-@maxsim_backward.register_fake
-def _(grad_out, argmax, Q, D, layout, has_q_mask, has_d_mask, normalize, backward):
-    return torch.empty_like(Q), torch.empty_like(D)
-
-
-def _setup_context(ctx, inputs, output):
-    Q, D, q_mask, d_mask, layout, normalize, backward = inputs
-    ctx.save_for_backward(Q, D, output[1])
-    ctx.args = (layout, q_mask is not None, d_mask is not None, normalize, backward)
-
-
-def _custom_op_backward(ctx, grad_scores, _grad_argmax):
-    Q, D, argmax = ctx.saved_tensors
-    grad_q, grad_d = maxsim_backward(grad_scores, argmax, Q, D, *ctx.args)
-    return grad_q, grad_d, None, None, None, None, None
-
-
-maxsim_forward.register_autograd(_custom_op_backward, setup_context=_setup_context)
+    call = _MaxSimCall(layout, normalize, backward)
+    return MAXSIM((Q, D, q_mask, d_mask), call, training=backward != "none")

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from lik.runtime import api, dispatch, metal, validate
+from lik.runtime import api, dispatch, metal, ops, validate
 from lik.runtime.keys import gpu_family, variant_name
 from lik.runtime.reference import maxsim_fp8_reference
 
@@ -240,6 +240,31 @@ def _dequantize_bf16(X: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fp8Call:
+    path: str  # fp8_path: "fp8", "bf16-fallback" or "interpreter"
+
+
+def _fp8_forward(inputs, call: _Fp8Call):
+    Q, D, scale_Q, scale_D, q_mask, d_mask = inputs
+    Nq, Lq, Nd, Ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
+    if Nq * Nd == 0 or Lq == 0 or Ld == 0:
+        return (torch.zeros(Nq, Nd, dtype=torch.float32, device=Q.device),), ()
+    if call.path == "bf16-fallback":
+        scaled = _dequantize_bf16(Q, scale_Q), _dequantize_bf16(D, scale_D)
+        return (api.maxsim(*scaled, q_mask, d_mask),), ()
+    out = torch.empty(Nq, Nd, dtype=torch.float32, device=Q.device)
+    return (_kernel(out, Q, D, scale_Q, scale_D, q_mask, d_mask),), ()
+
+
+def _fp8_fake(inputs, call: _Fp8Call):
+    Q, D = inputs[:2]
+    return (Q.new_empty((Q.shape[0], D.shape[0]), dtype=torch.float32),), ()
+
+
+FP8 = ops.Family("fp8", _Fp8Call, _fp8_forward, _fp8_fake)
+
+
 def maxsim_inference_fp8(
     Q: torch.Tensor,
     D: torch.Tensor,
@@ -287,16 +312,10 @@ def maxsim_inference_fp8(
         d_mask = d_mask.unsqueeze(0)
 
     path = fp8_path(Q.device)
-    Nq, Lq, Nd, Ld = Q3.shape[0], Q3.shape[1], D3.shape[0], D3.shape[1]
     if path == "reference":
         out = maxsim_fp8_reference(Q3, D3, scale_Q=sq, scale_D=sd, q_mask=q_mask, d_mask=d_mask)
-    elif Nq * Nd == 0 or Lq == 0 or Ld == 0:
-        out = torch.zeros(Nq, Nd, dtype=torch.float32, device=Q.device)
-    elif path == "bf16-fallback":
-        out = api.maxsim(_dequantize_bf16(Q3, sq), _dequantize_bf16(D3, sd), q_mask, d_mask)
     else:
-        out = torch.empty(Nq, Nd, dtype=torch.float32, device=Q.device)
-        _kernel(out, Q3, D3, sq, sd, q_mask, d_mask)
+        out = FP8((Q3, D3, sq, sd, q_mask, d_mask), _Fp8Call(path))
     if squeeze_doc:
         out = out[:, 0]
     return out[0] if squeeze_query else out

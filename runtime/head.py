@@ -31,7 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from lik.runtime import dispatch, registry, validate
+from lik.runtime import dispatch, ops, registry, validate
 from lik.runtime.api import maxsim
 from lik.runtime.keys import (
     MIN_BLOCK,
@@ -332,20 +332,34 @@ def _composed_scores(Q, H, W, b, d_mask, normalize: bool) -> torch.Tensor:
     return maxsim(Q, docs, d_mask=d_mask) * dim**-0.5
 
 
-class _MaxSimFromHidden(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Q, H, W, b, d_mask, normalize):
-        scores, argmax = _forward(Q, H, W, b, d_mask, normalize, save_argmax=True)
-        ctx.save_for_backward(Q, H, W, b, argmax)
-        ctx.normalize = normalize
-        return scores
+@dataclasses.dataclass(frozen=True)
+class _HeadCall:
+    normalize: bool
+    training: bool
 
-    @staticmethod
-    def backward(ctx, grad_scores):
-        Q, H, W, b, argmax = ctx.saved_tensors
-        needs = tuple(ctx.needs_input_grad[:3]) + (ctx.needs_input_grad[3] and b is not None,)
-        grads = _backward(grad_scores, argmax, Q, H, W, b, ctx.normalize, needs)
-        return (*grads, None, None)
+
+def _head_forward(inputs, call: _HeadCall):
+    Q, H, W, b, d_mask = inputs
+    scores, argmax = _forward(Q, H, W, b, d_mask, call.normalize, save_argmax=call.training)
+    return (scores,), (argmax,)
+
+
+def _head_fake(inputs, call: _HeadCall):
+    Q, H = inputs[:2]
+    scores = Q.new_empty((Q.shape[0], H.shape[0]), dtype=torch.float32)
+    argmax = None
+    if call.training:
+        argmax = Q.new_empty((Q.shape[0], H.shape[0], Q.shape[1]), dtype=_argmax_dtype(H.shape[1]))
+    return (scores,), (argmax,)
+
+
+def _head_backward(grads, inputs, saved, call: _HeadCall, needs):
+    Q, H, W, b, _ = inputs
+    needs = needs[:3] + (needs[3] and b is not None,)
+    return _backward(grads[0], saved[0], Q, H, W, b, call.normalize, needs)
+
+
+HEAD = ops.Family("head", _HeadCall, _head_forward, _head_fake, _head_backward, slots=4)
 
 
 def _validate(Q, H_d, W, b, d_mask, normalize):
@@ -408,7 +422,7 @@ def maxsim_from_hidden(
         if H_d.shape[0] * H_d.shape[1] * W.shape[0] <= COMPOSED_TRAINING_MAX_DOC_VALUES:
             out = _composed_scores(Q3, H_d, W, b, d_mask, normalize)
         else:
-            out = _MaxSimFromHidden.apply(Q3, H_d, W, b, d_mask, normalize)
+            out = HEAD((Q3, H_d, W, b, d_mask), _HeadCall(normalize, True), training=True)
     else:
-        out = _forward(Q3, H_d, W, b, d_mask, normalize, save_argmax=False)[0]
+        out = HEAD((Q3, H_d, W, b, d_mask), _HeadCall(normalize, False))
     return out[0] if squeeze else out

@@ -29,11 +29,15 @@ packed length make every score NaN. Shapes, dtypes and devices are checked up fr
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-from lik.runtime import dispatch, ragged, registry, validate
+import torch
+import torch.nn.functional as F
+
+from lik.runtime import dispatch, ops, ragged, registry, validate
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES, variant_name
 from lik.runtime.reference import (
+    decompress_residual_reference,
     maxsim_residual_reference,
     maxsim_residual_varlen_reference,
     plaid_approx_score_reference,
@@ -199,44 +203,86 @@ def _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, 
 
 
 def _grad_q(grad_out, Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):
-    """grad_Q of sum(grad_out * scores), recomputed in fp32 PyTorch chunk by chunk: only
-    this chunk's decoded tokens and similarities are alive at a time."""
-    grad_q = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
-    per_doc = max(1, Q.shape[0] * Q.shape[1] * codes.shape[1] + codes.shape[1] * Q.shape[2])
-    step = max(1, GRAD_CHUNK_ELEMENTS // per_doc)
+    """grad_Q of sum(grad_out * scores) in fp32, chunk by chunk over docs (only a chunk's
+    decoded tokens and similarities are alive at a time), in closed form rather than by
+    autograd, which a custom op's backward cannot run: each query token takes its doc's
+    grad times the winning normalized doc token, then the normalization's Jacobian."""
+    Nq, Lq, dim = Q.shape
+    Ld = codes.shape[1]
     query = Q.detach().float()
+    norm = query.norm(dim=-1, keepdim=True)
+    unit = query / norm.clamp_min(1e-12)  # F.normalize's eps
+    grad_unit = torch.zeros_like(unit)
+    lengths = doc_lengths.long()
+    per_doc = max(1, Nq * Lq * (Ld + dim) + Ld * dim)
+    step = max(1, GRAD_CHUNK_ELEMENTS // per_doc)
     for start in range(0, codes.shape[0], step):
         stop = min(codes.shape[0], start + step)
-        with torch.enable_grad():
-            leaf = query.clone().requires_grad_()
-            part = maxsim_residual_reference(
-                leaf,
-                codes[start:stop],
-                residuals[start:stop],
-                doc_lengths[start:stop],
-                centroids,
-                bucket_weights,
-                nbits,
-            )
-            (grad,) = torch.autograd.grad(part, leaf, grad_out[:, start:stop].float())
-        grad_q += grad
+        docs = decompress_residual_reference(codes[start:stop], residuals[start:stop],
+                                             centroids, bucket_weights, nbits)  # fmt: skip
+        valid = torch.arange(Ld, device=Q.device) < lengths[start:stop, None]
+        docs = F.normalize(torch.where(valid[..., None], docs, 0.0), dim=-1)
+        sim = torch.einsum("isk,jtk->ijst", unit, docs)
+        winner = sim.masked_fill(~valid[None, :, None, :], float("-inf")).argmax(-1)
+        chosen = docs[torch.arange(stop - start, device=Q.device)[None, :, None], winner]
+        weight = grad_out[:, start:stop].float() * valid.any(-1)  # an empty doc: no gradient
+        grad_unit += torch.einsum("ij,ijsk->isk", weight, chosen)
+    radial = (unit * grad_unit).sum(-1, keepdim=True)
+    grad_q = torch.where(norm > 1e-12, (grad_unit - unit * radial) / norm, grad_unit / 1e-12)
     return grad_q.to(Q.dtype)
 
 
-class _ResidualScores(torch.autograd.Function):
-    """Kernel forward; grad_Q from a chunked PyTorch recompute (compressed docs and the
-    codebook take no gradient)."""
+@dataclasses.dataclass(frozen=True)
+class _ResidualCall:
+    layout: str  # "dense" (padded codes) or "varlen" (packed codes, forward only)
+    nbits: int
+    training: bool  # dense: Q takes a gradient
+    check_offsets: bool  # varlen without max_seqlen_d: one host sync validates them
 
-    @staticmethod
-    def forward(ctx, Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits):
-        ctx.save_for_backward(Q, codes, residuals, doc_lengths, centroids, bucket_weights)
-        ctx.nbits = nbits
-        return _forward_dense(Q, codes, residuals, doc_lengths, centroids, bucket_weights, nbits)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_q = _grad_q(grad_out, *ctx.saved_tensors, ctx.nbits)
-        return grad_q, None, None, None, None, None, None
+def _check_offsets(cu_d: torch.Tensor, tokens: int) -> None:
+    _, *facts = ragged._offset_facts(cu_d).tolist()  # the one host sync
+    problem = ragged._offset_problem("cu_seqlens_d", *facts, tokens)
+    if problem:
+        raise ValueError(problem)
+
+
+def _check_no_empty_doc(doc_lengths: torch.Tensor) -> None:
+    if bool((doc_lengths == 0).any()):  # one host sync
+        empty = int((doc_lengths == 0).nonzero()[0, 0])
+        raise ValueError(
+            f"doc_lengths[{empty}] is 0: a zero-length doc has no token to route Q's "
+            "gradient to; drop empty docs before scoring with Q.requires_grad"
+        )
+
+
+def _residual_forward(inputs, call: _ResidualCall):
+    Q, codes, residuals, lengths, centroids, bucket_weights = inputs
+    if call.layout == "varlen":
+        if call.check_offsets:
+            _check_offsets(lengths, codes.shape[0])
+        out = _forward_varlen(Q, codes, residuals, lengths, centroids, bucket_weights, call.nbits)
+        return (out,), ()
+    if call.training:
+        _check_no_empty_doc(lengths)
+    out = _forward_dense(Q, codes, residuals, lengths, centroids, bucket_weights, call.nbits)
+    return (out,), ()
+
+
+def _residual_fake(inputs, call: _ResidualCall):
+    Q, codes, _, lengths = inputs[:4]
+    docs = lengths.shape[0] - 1 if call.layout == "varlen" else codes.shape[0]
+    return (Q.new_empty((Q.shape[0], docs), dtype=torch.float32),), ()
+
+
+def _residual_backward(grads, inputs, saved, call: _ResidualCall, needs):
+    """grad_Q from a chunked PyTorch recompute (compressed docs and the codebook take no
+    gradient)."""
+    return (_grad_q(grads[0], *inputs, call.nbits),)
+
+
+RESIDUAL = ops.Family("residual", _ResidualCall, _residual_forward, _residual_fake,
+                      _residual_backward, slots=1)  # fmt: skip
 
 
 def maxsim_residual(
@@ -277,23 +323,17 @@ def maxsim_residual(
     centroids, bucket_weights = _codebook(Q, centroids, bucket_weights, nbits)
     squeeze = Q.dim() == 2
     batch = Q.unsqueeze(0) if squeeze else Q
-    if torch.is_grad_enabled() and Q.requires_grad and bool((doc_lengths == 0).any()):
-        empty = int((doc_lengths == 0).nonzero()[0, 0])
-        raise ValueError(
-            f"doc_lengths[{empty}] is 0: a zero-length doc has no token to route Q's "
-            "gradient to; drop empty docs before scoring with Q.requires_grad"
-        )
+    training = torch.is_grad_enabled() and Q.requires_grad
+    call = _ResidualCall("dense", nbits, training, check_offsets=False)
     if dispatch.backend_of(Q) == "reference":
+        if training:
+            _check_no_empty_doc(doc_lengths)
         out = maxsim_residual_reference(
             batch, codes, residuals, doc_lengths, centroids, bucket_weights, nbits
         ).float()
-    elif torch.is_grad_enabled() and Q.requires_grad:
-        out = _ResidualScores.apply(
-            batch, codes, residuals, doc_lengths, centroids, bucket_weights, nbits
-        )
-    else:  # a rerank: the kernel alone, without autograd's bookkeeping (~15 us per call)
-        out = _forward_dense(batch, codes, residuals, doc_lengths, centroids, bucket_weights,
-                             nbits)  # fmt: skip
+    else:  # a rerank runs the kernel alone, without autograd's bookkeeping (~15 us per call)
+        inputs = (batch, codes, residuals, doc_lengths, centroids, bucket_weights)
+        out = RESIDUAL(inputs, call, training=training)
     return out[0] if squeeze else out
 
 
@@ -325,23 +365,18 @@ def maxsim_residual_varlen(
     codes, residuals = _compressed(Q, codes_flat, residuals_flat, nbits, (None,), "[T]", "_flat")
     cu_d = ragged._offsets("cu_seqlens_d", cu_seqlens_d, codes.shape[0], Q.device)
     centroids, bucket_weights = _codebook(Q, centroids, bucket_weights, nbits)
-    if max_seqlen_d is None:
-        _, *facts = ragged._offset_facts(cu_d).tolist()  # the one host sync
-        problem = ragged._offset_problem("cu_seqlens_d", *facts, codes.shape[0])
-        if problem:
-            raise ValueError(problem)
-    else:
+    if max_seqlen_d is not None:
         ragged._check_bound("max_seqlen_d", max_seqlen_d)
     squeeze = Q.dim() == 2
     batch = Q.unsqueeze(0) if squeeze else Q
+    inputs = (batch.detach(), codes, residuals, cu_d, centroids, bucket_weights)
+    call = _ResidualCall("varlen", nbits, False, check_offsets=max_seqlen_d is None)
     if dispatch.backend_of(Q) == "reference":
-        out = maxsim_residual_varlen_reference(
-            batch, codes, residuals, cu_d, centroids, bucket_weights, nbits
-        ).float()
+        if call.check_offsets:
+            _check_offsets(cu_d, codes.shape[0])
+        out = maxsim_residual_varlen_reference(*inputs, nbits).float()
     else:
-        out = _forward_varlen(
-            batch.detach(), codes, residuals, cu_d, centroids, bucket_weights, nbits
-        )
+        out = RESIDUAL(inputs, call)
     return out[0] if squeeze else out
 
 

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from lik.runtime import dispatch, norm_warning, validate, workspace
+from lik.runtime import dispatch, norm_warning, ops, validate, workspace
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -126,23 +126,29 @@ def _offset_problem(name: str, first: int, last: int, monotone: int, total: int)
     return None
 
 
-def _resolve_bounds(cu_q, cu_d, total_q, total_d, max_seqlen_q, max_seqlen_d):
-    """The query bound, after validating offsets (on the device when a bound is given)."""
+def _given_bounds(max_seqlen_q, max_seqlen_d) -> None:
+    """Checks the bounds a call gives (types and the query limit), without a host sync."""
     if max_seqlen_d is not None:  # checked, though kernels walk each doc's own length
         _check_bound("max_seqlen_d", max_seqlen_d)
-    if max_seqlen_q is None:
-        facts_q, facts_d = _offset_facts(cu_q), _offset_facts(cu_d)
-        # One combined host sync for both maxima and every offset check.
-        (lq, *q_rest), (_, *d_rest) = torch.stack([facts_q, facts_d]).tolist()
-        for name, rest, total in (("cu_seqlens_q", q_rest, total_q),
-                                  ("cu_seqlens_d", d_rest, total_d)):  # fmt: skip
-            problem = _offset_problem(name, *rest, total)
-            if problem:
-                raise ValueError(problem)
-        return lq
-    # With the bound given, nothing is read back: each kernel program checks the offsets
-    # it reads and poisons its score with NaN when they are bad.
-    return _check_bound("max_seqlen_q", max_seqlen_q)
+    if max_seqlen_q is not None:
+        _check_query_bound(_check_bound("max_seqlen_q", max_seqlen_q))
+
+
+def _resolve_bounds(cu_q, cu_d, total_q, total_d, max_seqlen_q):
+    """The query bound: the given one (each kernel program then checks the offsets it
+    reads and poisons its score with NaN when they are bad), or the longest query after
+    validating every offset in one host sync."""
+    if max_seqlen_q is not None:
+        return max_seqlen_q
+    facts_q, facts_d = _offset_facts(cu_q), _offset_facts(cu_d)
+    (lq, *q_rest), (_, *d_rest) = torch.stack([facts_q, facts_d]).tolist()
+    for name, rest, total in (("cu_seqlens_q", q_rest, total_q),
+                              ("cu_seqlens_d", d_rest, total_d)):  # fmt: skip
+        problem = _offset_problem(name, *rest, total)
+        if problem:
+            raise ValueError(problem)
+    _check_query_bound(lq)
+    return lq
 
 
 def _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d):
@@ -163,46 +169,77 @@ def _check_query_bound(bound: int) -> None:
         )
 
 
-class _Ragged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Q, D, tensors, layout, max_seqlen_q, normalize, backward):
-        out_shape = (
-            (tensors["cu_seqlens_q"].shape[0] - 1, tensors["cu_seqlens_d"].shape[0] - 1)
-            if layout == "varlen"
-            else (tensors["pair_q_idx"].shape[0],)
-        )
-        out = torch.empty(out_shape, dtype=torch.float32, device=Q.device)
-        argmax = None
-        if backward != "none":
-            argmax = torch.empty(out_shape + (max_seqlen_q,), dtype=torch.int32, device=Q.device)
-        dispatch.forward_ragged(layout, Q, D, tensors, max_seqlen_q, normalize, out,
-                                backward=backward, argmax=argmax)  # fmt: skip
-        ctx.save_for_backward(Q, D, argmax)
-        ctx.args = (tensors, layout, max_seqlen_q, normalize, backward)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_scores):
-        Q, D, argmax = ctx.saved_tensors
-        tensors, layout, max_seqlen_q, normalize, backward = ctx.args
-        grad_q, grad_d = dispatch.backward_ragged(
-            layout, grad_scores, argmax, Q, D, tensors, max_seqlen_q, normalize, backward
-        )
-        return grad_q, grad_d, None, None, None, None, None
+@dataclasses.dataclass(frozen=True)
+class _RaggedCall:
+    layout: str  # "varlen" or "packed_pairs"
+    max_seqlen_q: int | None  # None: found (and the offsets validated) by the forward
+    normalize: bool
+    backward: str  # a strategy when training, else "none"
 
 
-def _score(layout, Q, D, tensors, bound, normalize, backward):
+_TENSORS = ("cu_seqlens_q", "cu_seqlens_d", "pair_q_idx", "pair_d_idx")
+
+
+def _ragged_out_shape(layout: str, cu_q, cu_d, pairs) -> tuple[int, ...]:
+    if layout == "varlen":
+        return (cu_q.shape[0] - 1, cu_d.shape[0] - 1)
+    return (pairs[0].shape[0],)
+
+
+def _ragged_forward(inputs, call: _RaggedCall):
+    Q, D, cu_q, cu_d, *pairs = inputs
+    bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], call.max_seqlen_q)
+    out = torch.empty(_ragged_out_shape(call.layout, cu_q, cu_d, pairs), dtype=torch.float32,
+                      device=Q.device)  # fmt: skip
+    argmax = None
+    if call.backward != "none":
+        argmax = torch.empty(out.shape + (bound,), dtype=torch.int32, device=Q.device)
+    tensors = dict(zip(_TENSORS, inputs[2:], strict=False))
+    dispatch.forward_ragged(call.layout, Q, D, tensors, bound, call.normalize, out,
+                            backward=call.backward, argmax=argmax)  # fmt: skip
+    return (out,), (argmax,)
+
+
+def _ragged_fake(inputs, call: _RaggedCall):
+    Q, D, cu_q, cu_d, *pairs = inputs
+    out = Q.new_empty(_ragged_out_shape(call.layout, cu_q, cu_d, pairs), dtype=torch.float32)
+    if call.backward == "none":
+        return (out,), (None,)
+    bound = call.max_seqlen_q
+    if bound is None:  # the forward finds it on the device
+        bound = torch.library.get_ctx().new_dynamic_size()
+    return (out,), (Q.new_empty(out.shape + (bound,), dtype=torch.int32),)
+
+
+def _ragged_backward(grads, inputs, saved, call: _RaggedCall, needs):
+    Q, D, *rest = inputs
+    (argmax,) = saved
+    tensors = dict(zip(_TENSORS, rest, strict=False))
+    return dispatch.backward_ragged(call.layout, grads[0].contiguous(), argmax, Q, D, tensors,
+                                    argmax.shape[-1], call.normalize, call.backward)  # fmt: skip
+
+
+RAGGED = ops.Family("ragged", _RaggedCall, _ragged_forward, _ragged_fake, _ragged_backward, slots=2)
+
+
+def _score(layout, Q, D, tensors, bounds, normalize, backward):
+    max_seqlen_q, max_seqlen_d = bounds
+    _given_bounds(max_seqlen_q, max_seqlen_d)
     if not normalize:  # packed tokens: the first ones are the first query's and doc's
         norm_warning.check(Q, D)
     if dispatch.backend(Q.device) == "reference":
+        bound = _resolve_bounds(tensors["cu_seqlens_q"], tensors["cu_seqlens_d"], Q.shape[0],
+                                D.shape[0], max_seqlen_q)  # fmt: skip
         return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize,
                                             max_seqlen_q=bound, **tensors)  # fmt: skip
     strategy = "none"
-    if torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad):
+    training = torch.is_grad_enabled() and (Q.requires_grad or D.requires_grad)
+    if training:
         queries = tensors["cu_seqlens_q"].shape[0] - 1
         docs = tensors["cu_seqlens_d"].shape[0] - 1
         strategy = choose_backward(backward, layout, queries, docs)
-    return _Ragged.apply(Q, D, tensors, layout, bound, normalize, strategy)
+    call = _RaggedCall(layout, max_seqlen_q, normalize, strategy)
+    return RAGGED((Q, D, *tensors.values()), call, training=training)
 
 
 def maxsim_varlen(
@@ -225,10 +262,8 @@ def maxsim_varlen(
     validate.backward_choice(backward)
     normalize = validate.flag("normalize", normalize)
     Q, D, cu_q, cu_d = _common(Q_packed, D_packed, cu_seqlens_q, cu_seqlens_d)
-    bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], max_seqlen_q, max_seqlen_d)
-    _check_query_bound(bound)
     tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d}
-    return _score("varlen", Q, D, tensors, bound, normalize, backward)
+    return _score("varlen", Q, D, tensors, (max_seqlen_q, max_seqlen_d), normalize, backward)
 
 
 def score_pairs_packed(
@@ -257,11 +292,10 @@ def score_pairs_packed(
             f"pair_q_idx and pair_d_idx must have one entry per pair: got {tuple(q_idx.shape)} "
             f"and {tuple(d_idx.shape)}"
         )
-    bound = _resolve_bounds(cu_q, cu_d, Q.shape[0], D.shape[0], max_seqlen_q, max_seqlen_d)
-    _check_query_bound(bound)
     tensors = {"cu_seqlens_q": cu_q, "cu_seqlens_d": cu_d, "pair_q_idx": q_idx,
                "pair_d_idx": d_idx}  # fmt: skip
-    return _score("packed_pairs", Q, D, tensors, bound, normalize, None)  # auto: unified
+    bounds = (max_seqlen_q, max_seqlen_d)
+    return _score("packed_pairs", Q, D, tensors, bounds, normalize, None)  # auto: unified
 
 
 def _lengths(name: str, value: object, rows: tuple[int, ...], limit: int, device) -> torch.Tensor:
@@ -368,7 +402,8 @@ def maxsim_padded(
     (B, Lq, _), (C, Ld) = queries.shape, documents.shape[1:3]
     if B * C == 0:
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
-    if Lq > dispatch.layout_query_chunk("packed_pairs", queries):
+    # Compiled graphs take the mask path too: packing has data-dependent sizes.
+    if torch.compiler.is_compiling() or Lq > dispatch.layout_query_chunk("packed_pairs", queries):
         q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
         d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
         return maxsim(queries, documents, q_mask, d_mask)

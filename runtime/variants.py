@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from lik.runtime import dispatch, metal, norm_warning, registry, validate
+from lik.runtime import dispatch, metal, norm_warning, ops, registry, validate
 from lik.runtime.keys import next_power_of_two, variant_name
 from lik.runtime.reference import maxsim_scored_reference
 from lik_gen.ir import MAX_TOKEN_K
@@ -114,19 +114,40 @@ def _backward(call: _Call, grad_out, saved, Q, D, W, q_mask, d_mask):
     return grads if W is not None else (*grads, None)
 
 
-class _Scored(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, Q, D, W, q_mask, d_mask, call):
-        out, saved = _forward(call, Q, D, W, q_mask, d_mask, training=True)
-        ctx.save_for_backward(Q, D, W, q_mask, d_mask, saved)
-        ctx.call = call
-        return out
+@dataclasses.dataclass(frozen=True)
+class _ScoredCall:
+    score: str
+    layout: str
+    normalize: bool
+    tau: float
+    k: int
+    training: bool
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        Q, D, W, q_mask, d_mask, saved = ctx.saved_tensors
-        grad_q, grad_d, grad_w = _backward(ctx.call, grad_out, saved, Q, D, W, q_mask, d_mask)
-        return grad_q, grad_d, grad_w, None, None, None
+    @property
+    def call(self) -> _Call:
+        return _Call(self.score, self.layout, self.normalize, self.tau, self.k)
+
+
+def _scored_forward(inputs, params: _ScoredCall):
+    Q, D, W, q_mask, d_mask = inputs
+    out, saved = _forward(params.call, Q, D, W, q_mask, d_mask, training=params.training)
+    return (out,), (saved,)
+
+
+def _scored_fake(inputs, params: _ScoredCall):
+    Q, D = inputs[:2]
+    call = params.call
+    out = Q.new_empty(_out_shape(call, Q, D), dtype=torch.float32)
+    return (out,), (_saved(call, out, Q, D) if params.training else None,)
+
+
+def _scored_backward(grads, inputs, saved, params: _ScoredCall, needs):
+    Q, D, W, q_mask, d_mask = inputs
+    return _backward(params.call, grads[0], saved[0], Q, D, W, q_mask, d_mask)
+
+
+SCORED = ops.Family("scored", _ScoredCall, _scored_forward, _scored_fake, _scored_backward,
+                    slots=3)  # fmt: skip
 
 
 def _kernel_score(call: _Call, Q, D, W, q_mask, d_mask) -> torch.Tensor:
@@ -142,10 +163,9 @@ def _kernel_score(call: _Call, Q, D, W, q_mask, d_mask) -> torch.Tensor:
         w = W if whole or W is None else W[:, start:stop]
         qm = q_mask if whole or q_mask is None else q_mask[:, start:stop]
         inputs = (q, D) if W is None else (q, D, w)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            part = _Scored.apply(q, D, w, qm, d_mask, call)
-        else:
-            part = _forward(call, q, D, w, qm, d_mask, training=False)[0]
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+        params = _ScoredCall(call.score, call.layout, call.normalize, call.tau, call.k, training)
+        part = SCORED((q, D, w, qm, d_mask), params, training=training)
         total = part if total is None else total + part
     return total
 
