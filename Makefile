@@ -122,7 +122,7 @@ soak:
 # table runtime/tuning/<family>.toml, or with TUNE_ARGS="--card --shapes ..." this card's
 # own runtime/tuning/<family>/<card>.toml (commit the result).
 tune:
-	python3 -P -m lik.runtime.tune --out runtime/tuning $(TUNE_ARGS)
+	python3 -P benchmarks/tune.py --out runtime/tuning $(TUNE_ARGS)
 
 # -P keeps the source tree's lik/ folder from shadowing the installed package.
 test-gpu:

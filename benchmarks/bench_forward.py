@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import shapes
 import torch
 from common import (
     DRY_RUN_TIMER,
@@ -46,16 +47,7 @@ from common import (
     write_results,
 )
 
-SHAPES = [
-    Shape("colbert-rerank", 1, 1000, 32, 300, 128),
-    Shape("text-long", 1, 1000, 32, 1024, 128),
-    Shape("colpali-rerank", 1, 1000, 128, 1024, 128),
-    Shape("colpali-compute", 1, 500, 1024, 1024, 128),
-    Shape("lateon-edge", 1, 1000, 32, 1024, 48),
-    Shape("inbatch-256", 256, 256, 32, 300, 128),
-    Shape("longdoc", 16, 32, 32, 8192, 128),
-    Shape("corpus-100k", 16, 100000, 32, 128, 128),
-]
+SHAPES = shapes.FORWARD
 
 PEER_DISTRIBUTIONS = {"late-interaction-kernels": "0.4.5", "flash-maxsim": "0.3.0"}
 

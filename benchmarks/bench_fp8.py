@@ -227,7 +227,9 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
     launched directly, with per-tensor and with per-token scales (one table entry serves
     both), through make tune's selection (tune.sweep: every output checked against the
     default's, the winner by the joint slowdown over the two, the clean-L2 tie-break)."""
-    from lik.runtime import dispatch, fp8, registry, tune
+    import tune
+
+    from lik.runtime import dispatch, fp8, registry
     from lik.runtime.keys import KernelKey, gpu_family, lq_bucket, padded_head_dim, size_class
 
     name = "maxsim_dense_nomask_fp8_triton"

@@ -258,7 +258,9 @@ def sweep_configs(shape: HeadShape, inputs, args) -> list[dict]:
     """Times lik's forward (normalize, bias, no mask) over a grid of launch configs
     through make tune's selection (tune.sweep: outputs checked against the first
     config's); rows fastest first."""
-    from lik.runtime import head, registry, tune
+    import tune
+
+    from lik.runtime import head, registry
     from lik.runtime.keys import variant_name
 
     Q, H, W, b = (t.detach() for t in inputs)

@@ -231,7 +231,8 @@ def _sweep_layout(module, launch, default, n_docs: int, dim: int, quick: bool, s
     outputs checked against the default's, the clean-L2 tie-break)."""
     import itertools
 
-    from lik.runtime import tune
+    import tune
+
     from lik.runtime.keys import padded_head_dim
     from lik.runtime.tuning import LaunchConfig
 
@@ -262,8 +263,9 @@ def _sweep_layout(module, launch, default, n_docs: int, dim: int, quick: bool, s
 def write_sweep_table(directory: Path, entries: dict[str, dict], card: bool = False) -> None:
     """Merges entries into this GPU family's table, or with card into this GPU's own
     (keys not swept here are kept), written into directory the way `make tune` writes it."""
+    from tune import merge_into_table
+
     from lik.runtime.keys import gpu_card, gpu_family
-    from lik.runtime.tune import merge_into_table
 
     family = gpu_family(torch.device("cuda"))
     name = gpu_card(torch.device("cuda")) if card else ""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from common import (  # noqa: E402
     attempt,
     back_to_back_ms,
@@ -40,12 +41,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# (name, Nq, docs per query or Nd, Lq, Ld, d, layout)
-SHAPES = [
-    ("inbatch-256", 256, 256, 32, 300, 128, "dense"),
-    ("colpali-32", 32, 32, 128, 1024, 128, "dense"),
-    ("kd-64x32", 64, 32, 32, 300, 128, "kd"),
-]
+SHAPES = shapes.TRAIN
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
 GRADIENT_TOLERANCE = 2e-2  # bf16 gradients, one rounding each, against float64
 # Steps back to back: the best of a few rounds, since a host-paced rate moves with the

@@ -46,6 +46,10 @@ class Shape:
     ld: int
     d: int
 
+    def __iter__(self):
+        """Unpacks as (name, nq, nd, lq, ld, d)."""
+        return iter((self.name, self.nq, self.nd, self.lq, self.ld, self.d))
+
     @property
     def dims(self) -> str:
         return f"{self.nq}, {self.nd}, {self.lq}, {self.ld}, {self.d}"
@@ -136,7 +140,7 @@ def clean_l2_ms(fn: Callable[[], object], *, reps: int = 300) -> float:
     empties L2 by writing a 256 MB buffer, whose dirty lines the timed call then writes
     back (H100: ~10 us of a 262 MB rerank, measured in commit 5fc3399); this reads it
     instead, as after a kernel that only read. make tune's timer for its near-ties."""
-    from lik.runtime.tune import clean_l2_ms as timed  # GPU runs only, lik installed
+    from tune import clean_l2_ms as timed  # GPU runs only, lik installed
 
     return timed(fn, reps=reps)
 

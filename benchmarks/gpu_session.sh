@@ -72,7 +72,7 @@ setup
 
 if [ -n "${RUN_TUNE:-}" ]; then
     echo "== tune (writes \$OUT/<family>.toml, then the installed runtime uses it)"
-    timeout -k 10 "${TUNE_TIMEOUT:-240}" python3 -P -m lik.runtime.tune --out "$OUT" --quick 2>&1
+    timeout -k 10 "${TUNE_TIMEOUT:-240}" python3 -P benchmarks/tune.py --out "$OUT" --quick 2>&1
     echo "tune exit code $?"
     tables=$(python3 -P -c 'import lik.runtime, os; print(os.path.dirname(lik.runtime.__file__))')/tuning
     cp "$OUT"/*.toml "$tables"/ && echo "installed $(ls "$OUT"/*.toml) into $tables"

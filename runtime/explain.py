@@ -12,9 +12,19 @@ import dataclasses
 
 import torch
 
-from lik.runtime import autotune, dispatch, registry, tune, validate
+from lik.runtime import autotune, dispatch, registry, validate
 from lik.runtime.api import AUTO_RULE, choose_backward
-from lik.runtime.keys import KernelKey, gpu_card, gpu_family
+from lik.runtime.keys import (
+    LQ_CHUNK,
+    KernelKey,
+    gpu_card,
+    gpu_family,
+    lq_bucket,
+    padded_head_dim,
+    query_bucket,
+    size_class,
+    variant_name,
+)
 from lik.runtime.tuning import LaunchConfig, committed_source, config_for, table_file
 
 
@@ -59,6 +69,34 @@ class ForwardPlan:
         return groups * docs * self.config.doc_splits
 
 
+
+def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16, card: str = "", *,
+            q_mask: bool = False, d_mask: bool = False,
+            backward: str = "none") -> KernelKey:  # fmt: skip
+    """The KernelKey dispatch builds for a maxsim(Q, D) call of this shape on a card of the
+    family, with a query and/or doc mask where asked, and for a training call the forward
+    key of its backward strategy's variant (see dispatch._config; queries longer than
+    LQ_CHUNK tokens are keyed by their first chunk). card "": the family's own entries
+    alone."""
+    _, nq, nd, lq, _, d = shape
+    name = variant_name("dense", q_mask, d_mask, False, dtype, backward=backward)
+    return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, LQ_CHUNK)),
+                     size_class(nq * nd), query_bucket(nq), card=card)  # fmt: skip
+
+
+def once_key(shape, family: str, card: str = "") -> KernelKey | None:
+    """The "once" key of a plain forward of this shape whose docs load once, else None;
+    decided from its forward key's committed config (or default), as a call decides it."""
+    _, nq, nd, lq, ld, d = shape
+    key = key_for(shape, family, card=card)
+    module = registry.load(key.variant)
+    config = config_for(key, module.smem_bytes)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: as on an H100
+    if not dispatch.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2, device).evict_docs:
+        return None
+    return dataclasses.replace(key, kernel="once")
+
+
 def explain_forward(
     shape, *, dtype: torch.dtype = torch.bfloat16, family: str | None = None,
     card: str | None = None, q_mask: bool = False, d_mask: bool = False,
@@ -83,21 +121,21 @@ def explain_forward(
         card = gpu_card(device)
     strategy = "none" if backward is None else choose_backward(backward, "dense", nq, nd)
 
-    def key_for(query_tokens):
-        return tune.key_for(("call", nq, nd, query_tokens, ld, d), family, dtype, card,
-                            q_mask=q_mask, d_mask=d_mask, backward=strategy)  # fmt: skip
+    def call_key(query_tokens):
+        return key_for(("call", nq, nd, query_tokens, ld, d), family, dtype, card,
+                       q_mask=q_mask, d_mask=d_mask, backward=strategy)  # fmt: skip
 
-    key = key_for(lq)
+    key = call_key(lq)
     module = registry.load(key.variant)
     chunk = dispatch.family_query_chunk(module, d, family)
     if lq > chunk:  # keyed by its first chunk
-        key = key_for(chunk)
-    once_key = dataclasses.replace(key, kernel="once")
+        key = call_key(chunk)
+    once = dataclasses.replace(key, kernel="once")
     # A key without an entry takes the one its first CUDA call on this card autotuned.
     tuned = dispatch.autotuned_entry(key, torch.device("cuda"))
     key_config = config_for(key, module.smem_bytes, tuned)
     config = dispatch.stream_config(
-        module, key_config, lambda: config_for(once_key, module.smem_bytes),
+        module, key_config, lambda: config_for(once, module.smem_bytes),
         nq, nd, ld, nd * ld * d * dtype.itemsize, device,
     )  # fmt: skip
     return ForwardPlan(
@@ -105,7 +143,7 @@ def explain_forward(
         dtype=dtype,
         key=key,
         source=committed_source(key),
-        once_source=committed_source(once_key),
+        once_source=committed_source(once),
         masks=", ".join(name for name, on in (("q_mask", q_mask), ("d_mask", d_mask)) if on),
         autotuned=tuned is not None,
         config=config,

@@ -37,7 +37,8 @@ def test_plaid_sweep_winners_become_table_entries(tmp_path):
     import tomllib
 
     bench_plaid = pytest.importorskip("bench_plaid")
-    from lik.runtime.tune import table_entry, write_table
+    from tune import table_entry, write_table
+
     from lik.runtime.tuning import LaunchConfig
 
     winner = LaunchConfig(32, 64, 128, num_warps=4, num_stages=1)

@@ -3,6 +3,9 @@ against same-dtype eager PyTorch. Skipped without CUDA; run with `make test-gpu`
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import (
@@ -18,6 +21,7 @@ from lik.runtime import dispatch, maxsim, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # tune.py
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -157,7 +161,8 @@ def test_gpu_a_training_key_without_an_entry_sweeps_its_backward_once(autotune_o
 def test_gpu_make_tune_times_a_backward_as_graph_replays():
     # make tune's backward timing (lik's thread-local graph timer) on a small training step:
     # a positive time, outputs equal to a plain backward's, a disagreeing reference refused.
-    from lik.runtime import tune
+    import tune
+
     from lik.runtime.tuning import config_for
 
     shape = ("step-small", 8, 24, 32, 100, 128, "dense")
@@ -175,7 +180,9 @@ def test_gpu_make_tune_times_a_backward_as_graph_replays():
 
 def test_gpu_no_suite_shape_sweeps_at_call_time(autotune_on):
     # A key does not depend on Ld: each suite shape's key, called with 16-token docs.
-    from lik.runtime import maxsim, tune
+    import tune
+
+    from lik.runtime import maxsim
 
     before = autotune_on.sweeps
     for _, nq, nd, lq, _, d in tune.SHAPES:

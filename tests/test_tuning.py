@@ -13,7 +13,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from lik.runtime import dispatch, registry, tune
+import tune  # noqa: E402 (benchmarks/, on the path above)
+
+from lik.runtime import dispatch, registry
+from lik.runtime.explain import key_for, once_key
 from lik.runtime.keys import LQ_CHUNK, KernelKey
 from lik.runtime.tuning import SMEM_LIMIT, LaunchConfig, config_for, load_table
 
@@ -32,7 +35,7 @@ def streamed(config, *args, **kwargs):
 @pytest.mark.parametrize("shape", tune.SHAPES, ids=[s[0] for s in tune.SHAPES])
 def test_benchmark_shapes_resolve_to_hopper_entries(shape):
     # A call looks up its forward key, and a small rerank then its "once" key too.
-    for key in filter(None, (tune.key_for(shape, "hopper"), tune.once_key(shape, "hopper"))):
+    for key in filter(None, (key_for(shape, "hopper"), once_key(shape, "hopper"))):
         entry = load_table("hopper").get(key.table_key())
         assert entry is not None, f"{key.table_key()} has no entry: run make tune on a Hopper GPU"
         assert {"block_l", "num_warps", "num_stages", "query_group"} <= set(entry)
@@ -157,7 +160,7 @@ def test_a_card_s_own_entries_come_before_its_family_s():
         return None if source is None else source[0]
 
     assert table_file("hopper", "NVIDIA H100 80GB HBM3") == "hopper/NVIDIA_H100_80GB_HBM3.toml"
-    colpali = tune.key_for(("colpali-rerank", 1, 1000, 128, 1024, 128), "hopper")
+    colpali = key_for(("colpali-rerank", 1, 1000, 128, 1024, 128), "hopper")
     module = registry.load(colpali.variant)
 
     def tile(card):
@@ -171,7 +174,7 @@ def test_a_card_s_own_entries_come_before_its_family_s():
     h200 = tile("NVIDIA H200")
     assert h200[0] == "hopper/NVIDIA_H200.toml" and h200[1:] != family[1:]
     # A key the card's table lacks takes the family's entry.
-    longdoc = tune.key_for(("longdoc", 16, 32, 32, 8192, 128), "hopper", card="NVIDIA H200")
+    longdoc = key_for(("longdoc", 16, 32, 32, 8192, 128), "hopper", card="NVIDIA H200")
     assert committed_table(longdoc) == "hopper.toml"
     unknown = KernelKey("maxsim_dense_nomask_bf16_triton", "hopper", 128, 16, "l", 1, card="X")
     assert committed_table(unknown) is None
@@ -490,7 +493,7 @@ def test_thin_query_tiles_also_sweep_fewer_warps():
         return {c.num_warps for c in tune.candidates(key) if not groups or c.query_group in groups}
 
     def key(shape):
-        return tune.key_for(shape, "hopper")
+        return key_for(shape, "hopper")
 
     assert warps(key(("colbert-rerank", 1, 1000, 32, 300, 128))) == {1, 2, 4, 8}
     inbatch = key(("inbatch-256", 256, 256, 32, 300, 128))

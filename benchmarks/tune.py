@@ -18,7 +18,7 @@ fast as an H100, and its small reranks want other doc tiles). The runtime then r
 them, and keys they cover never sweep at call time (others do, once per machine:
 lik.runtime.autotune).
 
-    python3 -m lik.runtime.tune [--out runtime/tuning] [--shapes name,...] [--quick] [--card]
+    python3 -P benchmarks/tune.py [--out runtime/tuning] [--shapes name,...] [--quick] [--card]
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ import statistics
 import sys
 from pathlib import Path
 
+import shapes
 import torch
 
 from lik.runtime import autotune, dispatch, registry
+from lik.runtime.explain import key_for, once_key
 from lik.runtime.keys import (
-    LQ_CHUNK,
     KernelKey,
     gpu_card,
     gpu_family,
@@ -56,32 +57,10 @@ from lik.runtime.tuning import (
     table_file,
 )
 
-# (name, Nq, Nd, Lq, Ld, d): the forward shapes of the performance suite.
-SHAPES = [
-    ("colbert-rerank", 1, 1000, 32, 300, 128),
-    ("text-long", 1, 1000, 32, 1024, 128),
-    ("colpali-rerank", 1, 1000, 128, 1024, 128),
-    ("colpali-compute", 1, 500, 1024, 1024, 128),
-    ("lateon-edge", 1, 1000, 32, 1024, 48),
-    ("inbatch-256", 256, 256, 32, 300, 128),
-    ("longdoc", 16, 32, 32, 8192, 128),
-    ("corpus-100k", 16, 100000, 32, 128, 128),
-    ("train-colpali-32", 32, 32, 128, 1024, 128),
-    # A batched rerank (8 queries' candidates in one call), whose key no suite shape has:
-    # on the default config (4 queries stacked) it ran 14% slower than on its tuned one
-    # (H200, 0.112 against 0.096 ms, commit 64e95e3; H100 tuned
-    # 0.097; through lik.maxsim in one run each, 0.115 -> 0.098 ms on an H100 and 0.113 ->
-    # 0.096 on an H200: commit a25e1d4).
-    ("rerank-8q", 8, 2000, 32, 300, 128),
-]
-# (name, Nq, Nd or docs per query (kd), Lq, Ld, d, layout): the training steps of
-# benchmarks/bench_train.py with the lowmem backward. Their forward (argmax saved) and
-# backward kernels are keyed and tuned apart.
-TRAIN_SHAPES = [
-    ("step-inbatch-256", 256, 256, 32, 300, 128, "dense"),
-    ("step-colpali-32", 32, 32, 128, 1024, 128, "dense"),
-    ("step-kd-64x32", 64, 32, 32, 300, 128, "kd"),
-]
+# The forward and training suites' shapes, and the forward keys only tuning sweeps.
+SHAPES = [tuple(s) for s in (*shapes.FORWARD, *shapes.TUNED_ONLY)]  # (name, Nq, Nd, Lq, Ld, d)
+# A training shape's entries are named step-<name> in the tables.
+TRAIN_SHAPES = [(f"step-{name}", *rest) for name, *rest in shapes.TRAIN]
 TRAIN_STRATEGY = "lowmem"
 BLOCK_L = (32, 64, 128)
 NUM_WARPS = (4, 8)
@@ -110,33 +89,6 @@ BACKWARD_STAGES = (1, 2, 3)
 NEAR_TIE = 1.01
 CLEAN_WIN = 0.97
 L2_FLUSH_BYTES = 256 * 2**20
-
-
-def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16, card: str = "", *,
-            q_mask: bool = False, d_mask: bool = False,
-            backward: str = "none") -> KernelKey:  # fmt: skip
-    """The KernelKey dispatch builds for a maxsim(Q, D) call of this shape on a card of the
-    family, with a query and/or doc mask where asked, and for a training call the forward
-    key of its backward strategy's variant (see dispatch._config; queries longer than
-    LQ_CHUNK tokens are keyed by their first chunk). card "": the family's own entries
-    alone."""
-    _, nq, nd, lq, _, d = shape
-    name = variant_name("dense", q_mask, d_mask, False, dtype, backward=backward)
-    return KernelKey(name, family, padded_head_dim(d), lq_bucket(min(lq, LQ_CHUNK)),
-                     size_class(nq * nd), query_bucket(nq), card=card)  # fmt: skip
-
-
-def once_key(shape, family: str, card: str = "") -> KernelKey | None:
-    """The "once" key of a plain forward of this shape whose docs load once, else None;
-    decided from its forward key's committed config (or default), as a call decides it."""
-    _, nq, nd, lq, ld, d = shape
-    key = key_for(shape, family, card=card)
-    module = registry.load(key.variant)
-    config = config_for(key, module.smem_bytes)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: as on an H100
-    if not dispatch.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2, device).evict_docs:
-        return None
-    return dataclasses.replace(key, kernel="once")
 
 
 def tuned_key(shape, family: str, card: str = "") -> KernelKey:
