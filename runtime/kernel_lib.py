@@ -52,6 +52,17 @@ MASK_SCAN = tl.constexpr(1024)
 
 
 @triton.jit
+def valid_tokens(d_mask, base, stride, d_len):
+    """How many of a doc's d_len tokens its mask (entries d_mask[base + t * stride]) marks
+    valid, MASK_SCAN entries a step."""
+    count = tl.zeros([], dtype=tl.int32)
+    for start in range(0, d_len, MASK_SCAN):
+        offs = start + tl.arange(0, MASK_SCAN)
+        count += tl.sum(token_valid(d_mask, base, offs, stride, d_len).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
 def doc_has_token(best, q_valid, d_mask, base, stride, d_len):
     """Whether a doc with a mask (entries d_mask[base + t * stride], t < d_len) has a valid
     token, as far as its query rows' maxima `best` need to know. A valid row's max of -inf
@@ -62,12 +73,27 @@ def doc_has_token(best, q_valid, d_mask, base, stride, d_len):
     lost = tl.max((q_valid & (best == float("-inf"))).to(tl.int32), axis=0)
     found = lost == 0
     if lost != 0:
-        count = tl.zeros([], dtype=tl.int32)
-        for start in range(0, d_len, MASK_SCAN):
-            offs = start + tl.arange(0, MASK_SCAN)
-            count += tl.sum(token_valid(d_mask, base, offs, stride, d_len).to(tl.int32), axis=0)
-        found = count != 0
+        found = valid_tokens(d_mask, base, stride, d_len) != 0
     return found
+
+
+@triton.jit
+def masked_as_zero(scored, best, d_mask, base, stride, d_len):
+    """The rows that count (`scored`, as doc_has_token decided them) when the doc mask
+    reads as zeros (MASKED_AS_ZERO, PyLate's convention): a masked doc token is not left
+    out of the max but competes with similarity 0. So a counted row whose max over the
+    valid tokens `best` is below 0 (-inf included) scores the 0 instead when the doc has a
+    masked token among its d_len positions: it counts for nothing, as a row with no valid
+    doc token does (it adds 0, and its argmax is -1: no gradient, as PyLate's product
+    with the mask passes none to a masked winner). A tie at 0 keeps the valid token, NaN
+    stays NaN. Applied once per doc, after its tiles, which mask their similarities as
+    they do for a plain doc mask: the mask is read again only when a counted row's max
+    is below 0 (at most d_len bytes, next to the doc's d_len tokens)."""
+    below = scored & (best < 0)
+    if tl.max(below.to(tl.int32), axis=0) != 0:
+        holes = valid_tokens(d_mask, base, stride, d_len) < d_len
+        scored = scored & ~(below & holes)
+    return scored
 
 
 @triton.jit

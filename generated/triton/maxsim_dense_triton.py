@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4dd85eaa055a06fb680f369a238c49ffab4cc9abe1578eaa5d4c856dba4613f1
+# body-sha256: 3e9ec29aa49ed757e671f7a686ecd1e44470441e8f19d68015db71fde5e60279
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -95,6 +96,7 @@ def maxsim_dense_triton_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
@@ -245,6 +247,10 @@ def maxsim_dense_triton_fwd_kernel(
                 if HAS_D_MASK:
                     has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
                     scored = q_valid & ((best != float("-inf")) | has_token)
+                    if MASKED_AS_ZERO:
+                        scored = masked_as_zero(
+                            scored, best, d_mask, d_mask_base, stride_dmt, d_len
+                        )
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -270,6 +276,10 @@ def maxsim_dense_triton_fwd_kernel(
                 if HAS_D_MASK:
                     has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
                     scored = q_valid & ((best != float("-inf")) | has_token)
+                    if MASKED_AS_ZERO:
+                        scored = masked_as_zero(
+                            scored, best, d_mask, d_mask_base, stride_dmt, d_len
+                        )
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -359,6 +369,12 @@ def maxsim_dense_triton_fwd_kernel(
 
             if HAS_D_MASK:
                 scored = q_valid & (seen != 0)
+                if MASKED_AS_ZERO:
+                    # A doc's maxima are whole after its last tile: its mask is read then only.
+                    if last:
+                        scored = masked_as_zero(
+                            scored, best, d_mask, d_mask_base, stride_dmt, d_len
+                        )
             else:
                 scored = q_valid & (d_len > 0)
             final = tl.where(scored, final, 0.0)
@@ -398,7 +414,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero, normalize, config):
     """Scores into out [Nq, Nd]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -459,6 +475,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,

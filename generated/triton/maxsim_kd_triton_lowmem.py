@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 97bb890c79c7c5a32c5fbf92e168013ce17fff50821f0b2b5d07677e5512cf0f
+# body-sha256: 164c81051435105c4c1912158a4312626990b60dd4ba27a1cc5d77b3fb801c29
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -97,6 +98,7 @@ def maxsim_kd_triton_lowmem_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -152,6 +154,8 @@ def maxsim_kd_triton_lowmem_fwd_kernel(
     if HAS_D_MASK:
         has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
         scored = q_valid & ((best != float("-inf")) | has_token)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_mask, d_mask_base, stride_dmt, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -357,7 +361,7 @@ def lowmem_d_grid(K, Nq, Ld, BLOCK_L):
     return (K * Nq * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
     """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -408,6 +412,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

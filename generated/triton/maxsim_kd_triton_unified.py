@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 47ddde431f60176e775257c65d6b13b8c8f9692895de767c3a35ba48420658c3
+# body-sha256: 9314d27fc734debe72a560c51ca69d4ee5b7f960e1096cfa622f9fb9f9f153ef
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -97,6 +98,7 @@ def maxsim_kd_triton_unified_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -152,6 +154,8 @@ def maxsim_kd_triton_unified_fwd_kernel(
     if HAS_D_MASK:
         has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
         scored = q_valid & ((best != float("-inf")) | has_token)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_mask, d_mask_base, stride_dmt, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -308,7 +312,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
     """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -359,6 +363,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 060c6783ce2aac4bcd997b466dc2918351411cd952f2e17d0ca8653dbce58b28
+# body-sha256: 1dfd721b63a7501c3a2387c0e76ae968d7948a3a0b861f27fe39d0a74ef78091
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -89,6 +90,7 @@ def maxsim_pairs_triton_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -142,6 +144,8 @@ def maxsim_pairs_triton_fwd_kernel(
     if HAS_D_MASK:
         has_token = doc_has_token(best, q_valid, d_mask, d_mask_base, stride_dmt, d_len)
         scored = q_valid & ((best != float("-inf")) | has_token)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_mask, d_mask_base, stride_dmt, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -165,7 +169,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero, normalize, config):
     """Scores into out [B]."""
     B = Q.shape[0]
     Lq = Q.shape[1]
@@ -206,6 +210,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )
