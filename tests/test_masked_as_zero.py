@@ -306,3 +306,22 @@ def test_the_entry_checks_its_inputs():
         api.maxsim_masked_as_zero(Q, D, backward="fast")
     with pytest.raises(ValueError, match="Q must be"):
         api.maxsim_masked_as_zero(Q[0], D)
+
+
+def test_torch_compile_sees_no_graph_break():
+    """The entry goes through the same custom ops as maxsim: one graph, the mode carried."""
+    _kernel_path()
+    torch._dynamo.reset()
+    Q, D, q_mask, d_mask = _inputs("dense", SHAPES["odd"], seed=8, device=DEVICE)
+
+    def loss_fn(q, d):
+        return api.maxsim_masked_as_zero(q, d, q_mask, d_mask, backward="lowmem").sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    Qc, Dc = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    compiled(Qc, Dc).backward()
+    Qe, De = Q.clone().requires_grad_(), D.clone().requires_grad_()
+    loss_fn(Qe, De).backward()
+    ref = _reference("dense", Q.double(), D.double(), q_mask, d_mask).sum()
+    assert torch.allclose(compiled(Q, D), ref.float().to(DEVICE), rtol=1e-4)
+    assert torch.equal(Qc.grad, Qe.grad) and torch.equal(Dc.grad, De.grad)
