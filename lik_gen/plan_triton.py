@@ -151,7 +151,8 @@ class RenderContext:
     bwd_route_args: tuple[KernelArg, ...] = ()
     bwd_route_dynamic: tuple[str, ...] = ()
     # The forward can read its doc mask as zeros (Kernel.takes_zero_mask): MASKED_AS_ZERO,
-    # which the launcher takes as masked_as_zero (the registry binds the variant's).
+    # which the launcher takes as masked_as_zero (default False; the registry binds the
+    # variant's).
     takes_zero_mask: bool = False
 
     @property

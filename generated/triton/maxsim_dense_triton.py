@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3e9ec29aa49ed757e671f7a686ecd1e44470441e8f19d68015db71fde5e60279
+# body-sha256: 6044e7c34983cd6b60633fe3005ae0f4059c46430b327103ec972be3353bc0a2
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -414,7 +414,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, Nd]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: e2f69423321ae7d13cc7be51f9896bfb2d7c3c1c39d1fadf24eaeefa054eb3df
+# body-sha256: 5b14201bd4f6d8803e2e42a16d15c2112913e222abd76c7d7faca70c1905c9c9
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -508,7 +508,7 @@ def lowmem_d_grid(Nd, Ld, BLOCK_L):
     return (Nd * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]

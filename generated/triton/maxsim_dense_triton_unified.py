@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: f83a5159a4296b8ef88322737a057701a98e8af344c1f964ee238e0547c27641
+# body-sha256: 9daa7ad7b6caa34f0fc47cb063ac3b57dfecaf475603918409565e467fd7a4a6
 
 """MaxSim training (unified backward) for maxsim_dense_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -395,7 +395,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]

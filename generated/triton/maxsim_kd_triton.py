@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: eb818074221294244fceeca987b5e234939d9be430130dcbd7146c2eb8670bde
+# body-sha256: b8ef2d3bf3caaed7ea01019a1113a749d278428ea8e02b6fa2a733fbb75fb8ee
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -174,7 +174,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, K]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]

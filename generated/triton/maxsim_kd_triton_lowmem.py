@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 164c81051435105c4c1912158a4312626990b60dd4ba27a1cc5d77b3fb801c29
+# body-sha256: 7a17b9c8989b39e4af07c80a879bc20cd7d0ddc30601b75c3f848da779789d11
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -361,7 +361,7 @@ def lowmem_d_grid(K, Nq, Ld, BLOCK_L):
     return (K * Nq * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]

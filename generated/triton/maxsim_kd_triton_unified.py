@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9314d27fc734debe72a560c51ca69d4ee5b7f960e1096cfa622f9fb9f9f153ef
+# body-sha256: 1c489b942db29879f846c751c78a03f76e436c797c97da876257faa87cee913c
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -312,7 +312,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]

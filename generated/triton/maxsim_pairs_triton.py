@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 1dfd721b63a7501c3a2387c0e76ae968d7948a3a0b861f27fe39d0a74ef78091
+# body-sha256: 4150769bd8f5b405499ecb74d4dca1ffbea809e8971fc5cb017f31d39feab401
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -169,7 +169,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normalize, config):
     """Scores into out [B]."""
     B = Q.shape[0]
     Lq = Q.shape[1]

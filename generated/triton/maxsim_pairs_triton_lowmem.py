@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2ff11b6dbe847ee0455f94dff90f5de4217306fedd281eeb5dc725bf97a5733f
+# body-sha256: bc19fc32adad5f9e35218ff0a8e3bfae76e0b9b7e1699e9d79b81c6232e9cc57
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -333,7 +333,7 @@ def lowmem_d_grid(B, Ld, BLOCK_L):
     return (B * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [B], winning doc tokens into argmax [B, Lq]."""
     B = Q.shape[0]
     Lq = Q.shape[1]

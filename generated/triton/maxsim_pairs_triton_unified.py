@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 0584332baabfdb967707cec4c3a101ffed7184e0865c6b2ea4b50e2f1fcc6583
+# body-sha256: b55a46ddeb90c2dbd0a29751de7a15a5483f123f524ed58ba521f1e9b7c8db1d
 
 """MaxSim training (unified backward) for maxsim_pairs_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -300,7 +300,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [B], winning doc tokens into argmax [B, Lq]."""
     B = Q.shape[0]
     Lq = Q.shape[1]
