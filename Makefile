@@ -106,7 +106,7 @@ demo: setup-demo
 # Every benchmark, one after the other, into the committed results folder: each writes
 # benchmarks/results/<suite>/<card>.{json,md,png}, stamped with the card and the commit
 # git reads (+dirty for local changes). benchmarks/README.md says what each measures.
-BENCHES := forward train backward ragged retrieve variants fp8 plaid head cold_start autotune host
+BENCHES := forward train backward ragged retrieve variants fp8 plaid head cold_start autotune host pylate
 
 bench:
 	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The integrations' GPU tests, run from the repository root with OUT set to a folder:
+# The integrations' GPU tests and the PyLate benchmark, run from the repository root with
+# OUT set to a folder:
 #   OUT=/some/dir bash benchmarks/gpu_integrations.sh
-# Needs no network: installs the lik wheel (.whl/) and the carried wheels (.intwhl/:
-# pylate, colpali-engine and what their imports need beyond the machine's own packages)
-# into SITE_DIR, then runs tests/test_integration_gpu.py. Writes $OUT/integrations_gpu.log.
-# Optional: SITE_DIR (default /tmp/site), TEST_TIMEOUT (seconds, default 300).
+# Needs no network: installs the lik wheel (.whl/), the carried wheels (.intwhl/: pylate,
+# colpali-engine and what their imports need beyond the machine's own packages) and, where
+# present, the peer wheels (.peers/: late-interaction-kernels, flash-maxsim, for PyLate's
+# "lik" and "flash" backends) into SITE_DIR, then runs tests/test_integration_gpu.py and
+# benchmarks/bench_pylate.py. Writes $OUT/integrations_gpu.log and $OUT/pylate/<card>.*.
+# Optional: SITE_DIR (default /tmp/site), TEST_TIMEOUT (seconds, default 300),
+# BENCH_TIMEOUT (default 420), BENCH_ARGS (e.g. "--quick"), SKIP_BENCH.
 set -uo pipefail
 
 : "${OUT:?set OUT to the folder that collects the log}"
@@ -13,6 +17,7 @@ mkdir -p "$OUT"
 LOG="$OUT/integrations_gpu.log"
 SITE_DIR="${SITE_DIR:-/tmp/site}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-300}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-420}"
 export PYTHONUNBUFFERED=1
 
 {
@@ -22,6 +27,13 @@ export PYTHONUNBUFFERED=1
     ls -1 .intwhl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE_DIR" \
         .intwhl/*.whl || echo "!! carried wheels did not install"
+    if compgen -G ".peers/*.whl" >/dev/null; then
+        ls -1 .peers/*.whl
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE_DIR" \
+            .peers/*.whl || echo "!! peer wheels did not install"
+    else
+        echo "!! no wheels in .peers/: PyLate's flash and lik backends will be recorded as missing"
+    fi
 } 2>&1 | tee "$LOG"
 
 export PYTHONPATH="$SITE_DIR${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,7 +46,8 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 for name in ("lik", "torch", "triton", "transformers", "sentence-transformers", "tokenizers",
-             "huggingface-hub", "datasets", "pylate", "colpali-engine"):
+             "huggingface-hub", "datasets", "pylate", "colpali-engine",
+             "late-interaction-kernels", "flash-maxsim"):
     try:
         print(f"{name} {version(name)}")
     except PackageNotFoundError:
@@ -52,3 +65,13 @@ PY
         -m gpu tests/test_integration_gpu.py
     echo "== pytest exit status $?"
 } 2>&1 | tee -a "$LOG"
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+    {
+        echo "== benchmarks/bench_pylate.py"
+        # shellcheck disable=SC2086  # BENCH_ARGS holds several flags
+        timeout -k 10 "$BENCH_TIMEOUT" python3 -P benchmarks/bench_pylate.py --out "$OUT" \
+            ${BENCH_ARGS:-}
+        echo "== bench_pylate exit status $?"
+    } 2>&1 | tee -a "$LOG"
+fi

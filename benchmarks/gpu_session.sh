@@ -11,6 +11,7 @@
 # BENCH_ARGS / TRAIN_ARGS (extra flags, e.g. "--quick --shapes longdoc"), SKIP_FORWARD,
 # SKIP_TRAIN, RUN_TUNE (sweep configs first and use them), RUN_RAGGED / RUN_RETRIEVE /
 # RUN_BACKWARD / RUN_VARIANTS / RUN_FP8 / RUN_PLAID / RUN_HEAD / RUN_COLD_START / RUN_AUTOTUNE / RUN_HOST
+# / RUN_PYLATE (needs pylate: benchmarks/gpu_integrations.sh installs it and runs it)
 # (bench_<name>.py; bench_autotune takes about 8 minutes on an H200: raise EXTRA_TIMEOUT),
 # TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR.
 # A failing step is logged and the next one still runs.
@@ -96,7 +97,7 @@ timeout -k 10 "${TRAIN_TIMEOUT:-300}" python3 benchmarks/bench_train.py --out "$
 echo "bench_train exit code $?"
 fi
 
-for extra in backward ragged retrieve variants fp8 plaid head cold_start autotune host; do
+for extra in backward ragged retrieve variants fp8 plaid head cold_start autotune host pylate; do
     flag="RUN_$(echo "$extra" | tr a-z A-Z)"
     if [ -n "${!flag:-}" ]; then
         echo "== $extra benchmark"

@@ -10,6 +10,8 @@ so adding an axis later renames nothing.
 A variant is a (kernel, constexpr values) pair. Its `kernel` drops the value axes
 (VALUE_AXES: mask presence, normalize, input dtype), which change no code structure: one
 generated file serves every value, as constexprs (Triton) or function constants (Metal).
+The mask axis also says how a doc mask reads (Mask.as_zero: PyLate's convention, the
+MASKED_AS_ZERO constexpr of the kernels that take it, Kernel.takes_zero_mask).
 
     maxsim_dense_triton          every mask, normalize and dtype of dense Triton MaxSim
     maxsim_dense_fp8_triton      fp8 storage carries scale tensors: a kernel of its own
@@ -44,27 +46,42 @@ class Layout(enum.Enum):
 
 
 class Mask(enum.Enum):
+    """Which masks a call has. A masked doc token never wins the max (d, qd), or, with
+    the doc mask read as zeros (dzero, qdzero: PyLate's convention, whose torch path
+    multiplies the similarities by the masks), competes with similarity 0: a query token
+    whose best valid similarity is below 0 scores 0 against a doc with a masked token.
+    Masked query tokens add 0 either way."""
+
     NONE = "none"
     Q = "q"
     D = "d"
     QD = "qd"
+    D_ZERO = "dzero"
+    QD_ZERO = "qdzero"
 
     @property
     def has_q(self) -> bool:
-        return self in (Mask.Q, Mask.QD)
+        return self in (Mask.Q, Mask.QD, Mask.QD_ZERO)
 
     @property
     def has_d(self) -> bool:
-        return self in (Mask.D, Mask.QD)
+        return self in (Mask.D, Mask.QD, Mask.D_ZERO, Mask.QD_ZERO)
+
+    @property
+    def as_zero(self) -> bool:
+        """Masked doc tokens compete with similarity 0 (the MASKED_AS_ZERO constexpr)."""
+        return self in (Mask.D_ZERO, Mask.QD_ZERO)
 
     @classmethod
-    def of(cls, has_q: bool, has_d: bool) -> Mask:
-        """The mask of a call that has a query mask, a doc mask, both or neither."""
-        return _MASK_OF[(bool(has_q), bool(has_d))]
+    def of(cls, has_q: bool, has_d: bool, as_zero: bool = False) -> Mask:
+        """The mask of a call that has a query mask, a doc mask, both or neither; as_zero
+        reads its doc mask as zeros (without a doc mask there is nothing to read)."""
+        return _MASK_OF[(bool(has_q), bool(has_d), bool(as_zero) and bool(has_d))]
 
 
-_MASK_OF = {(False, False): Mask.NONE, (True, False): Mask.Q, (False, True): Mask.D,
-            (True, True): Mask.QD}  # fmt: skip
+_MASK_OF = {(False, False, False): Mask.NONE, (True, False, False): Mask.Q,
+            (False, True, False): Mask.D, (True, True, False): Mask.QD,
+            (False, True, True): Mask.D_ZERO, (True, True, True): Mask.QD_ZERO}  # fmt: skip
 
 
 class DType(enum.Enum):
@@ -133,7 +150,14 @@ _TOKENS: dict[str, dict[object, str]] = {
         Layout.VARLEN: "varlen",
         Layout.PACKED_PAIRS: "packedpairs",
     },
-    "mask": {Mask.NONE: "nomask", Mask.Q: "qmask", Mask.D: "dmask", Mask.QD: "qdmask"},
+    "mask": {
+        Mask.NONE: "nomask",
+        Mask.Q: "qmask",
+        Mask.D: "dmask",
+        Mask.QD: "qdmask",
+        Mask.D_ZERO: "dzeromask",
+        Mask.QD_ZERO: "qdzeromask",
+    },
     "dtype": {DType.FP32: "fp32", DType.FP16: "fp16", DType.BF16: "bf16", DType.FP8E4M3: "fp8"},
     "target": {Target.TRITON: "triton", Target.METAL: "metal"},
     "normalize": {True: "norm", False: ""},
@@ -231,6 +255,20 @@ class Kernel:
             if value != DEFAULTS[axis]:
                 tokens.append(_TOKENS[axis][value])
         return "_".join(tokens)
+
+    @property
+    def takes_zero_mask(self) -> bool:
+        """Whether the kernel reads a doc mask as zeros where a variant asks (Mask.as_zero):
+        the Triton MaxSim kernels of the padded layouts with the plain max, which PyLate's
+        score functions call (kernel_lib.masked_as_zero)."""
+        return (
+            self.op is Op.MAXSIM
+            and self.layout in (Layout.DENSE, Layout.KD, Layout.PAIRS)
+            and self.target is Target.TRITON
+            and not self.scaled
+            and self.decompression is Decompression.NONE
+            and self.score is Score.MAX
+        )
 
     def spec(self) -> dict[str, object]:
         """The kernel as plain JSON-able values, for headers and the manifest."""

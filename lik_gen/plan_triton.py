@@ -150,6 +150,10 @@ class RenderContext:
     routed_grad_d: bool = False
     bwd_route_args: tuple[KernelArg, ...] = ()
     bwd_route_dynamic: tuple[str, ...] = ()
+    # The forward can read its doc mask as zeros (Kernel.takes_zero_mask): MASKED_AS_ZERO,
+    # which the launcher takes as masked_as_zero (default False; the registry binds the
+    # variant's).
+    takes_zero_mask: bool = False
 
     @property
     def doc_tile_constexprs(self) -> tuple[str, ...]:
@@ -179,6 +183,8 @@ class RenderContext:
         options += [
             f"HAS_{name[0].upper()}_MASK={name} is not None" for name in self.optional_inputs
         ]
+        if self.takes_zero_mask:
+            options.append("MASKED_AS_ZERO=masked_as_zero")
         options.append("NORMALIZE=normalize")
         if self.layout in STACKED_LAYOUTS:
             options.append("QUERY_GROUP=config.query_group")
@@ -428,4 +434,5 @@ def plan_triton(kernel: Kernel) -> RenderContext:
         routed_grad_d=routed,
         bwd_route_args=args["bwd_route"] if routed else (),
         bwd_route_dynamic=KERNEL_SIZES["bwd_route"][variant.layout] if routed else (),
+        takes_zero_mask=kernel.takes_zero_mask,
     )

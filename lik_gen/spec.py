@@ -146,6 +146,11 @@ CONTRADICTIONS: tuple[tuple[Callable[[Variant], bool], str], ...] = (
         and (v.decompression is not Decompression.NONE or v.dtype is DType.FP8E4M3),
         "the score hook reads uncompressed fp32/fp16/bf16 documents",
     ),
+    (
+        lambda v: v.mask.as_zero and not v.kernel.takes_zero_mask,
+        "a doc mask read as zeros (dzero, qdzero) is planned for the Triton MaxSim kernels of "
+        "the dense, kd and pairs layouts with the plain max (Kernel.takes_zero_mask)",
+    ),
 )
 
 

@@ -49,12 +49,12 @@ def choose_backward(backward: str | None, layout: str, nq: int, nd: int) -> str:
     return "lowmem"
 
 
-def _score(layout, Q, D, q_mask, d_mask, normalize, backward) -> torch.Tensor:
+def _score(layout, Q, D, q_mask, d_mask, normalize, backward, masked_as_zero=False):
     """Generated-kernel path, through the custom op (autograd and torch.compile aware)."""
     strategy = "none"
     if _needs_grad(Q, D):
         strategy = choose_backward(backward, layout, Q.shape[0], D.shape[0])
-    return autograd.score(Q, D, q_mask, d_mask, layout, normalize, strategy)
+    return autograd.score(Q, D, q_mask, d_mask, layout, normalize, strategy, masked_as_zero)
 
 
 def maxsim(
@@ -151,3 +151,49 @@ def maxsim_pairs(
     if dispatch.backend(Q.device) == "reference":
         return maxsim_pairs_reference(Q, D, q_mask, d_mask, normalize=normalize).float()
     return _score("pairs", Q, D, q_mask, d_mask, normalize, backward)
+
+
+def maxsim_masked_as_zero(
+    Q: torch.Tensor,
+    D: torch.Tensor,
+    q_mask: torch.Tensor | None = None,
+    d_mask: torch.Tensor | None = None,
+    *,
+    pairs: bool = False,
+    backward: str | None = None,
+) -> torch.Tensor:
+    """Internal (lik.integrations.pylate; not re-exported, not in API.md): maxsim, or
+    maxsim_pairs with pairs=True, with the doc mask read as zeros, PyLate's convention. A
+    masked doc token is not left out of the max but competes with similarity 0:
+
+        score[i, j] = sum over valid s of max(max over valid t of <Q[i, s], D[j, t]>,
+                                              0 if doc j has a masked token)
+
+    A query token the 0 beats (strictly) adds 0 and takes no gradient; a fully masked doc
+    scores 0; masked query tokens add 0. Q [Nq, Lq, d]; D [Nd, Ld, d] -> [Nq, Nd],
+    D [Nq, K, Ld, d] -> [Nq, K], or with pairs=True D [B, Ld, d] -> [B]; masks as in
+    maxsim. No normalize. CUDA and a CPU under TRITON_INTERPRET=1 run the generated
+    kernels (the masked-as-zero variants, lik_gen.ir.Mask.as_zero), a plain CPU the
+    reference; MPS raises NotImplementedError (no Metal kernel reads a mask so): callers
+    keep their own formulation there.
+    """
+    validate.backward_choice(backward)
+    pairs = validate.flag("pairs", pairs)
+    Q = validate.tensor("Q", Q, (3,), "[Nq, Lq, d]")
+    d_doc = "[B, Ld, d]" if pairs else "[Nd, Ld, d] or [Nq, K, Ld, d]"
+    D = validate.tensor("D", D, (3,) if pairs else (3, 4), d_doc)
+    validate.same_dtype_and_device(Q, D)
+    validate.head_dims(Q, D)
+    layout = "pairs" if pairs else "kd" if D.dim() == 4 else "dense"
+    if layout != "dense" and D.shape[0] != Q.shape[0]:
+        raise ValueError(
+            f"D {d_doc} must have {Q.shape[0]} rows like Q, got shape {tuple(D.shape)}"
+        )
+    q_mask = validate.mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
+    d_mask = validate.mask("d_mask", d_mask, tuple(D.shape[:-1]), D.device)
+    if metal.handles(Q.device):
+        raise NotImplementedError("no Metal kernel reads a doc mask as zeros")
+    if dispatch.backend_of(Q) == "reference":
+        reference = maxsim_pairs_reference if pairs else maxsim_reference
+        return reference(Q, D, q_mask, d_mask, masked_as_zero=True).float()
+    return _score(layout, Q, D, q_mask, d_mask, False, backward, masked_as_zero=True)

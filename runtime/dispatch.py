@@ -507,6 +507,7 @@ def forward(
     *,
     backward: str = "none",
     argmax: torch.Tensor | None = None,
+    masked_as_zero: bool = False,
 ) -> torch.Tensor:
     """Scores into `out` (fp32, shaped for the layout) with the generated kernel.
 
@@ -516,6 +517,8 @@ def forward(
     Queries longer than query_chunk's tokens (LQ_CHUNK, fewer where shared memory is
     short) are scored chunk by chunk and summed: exact, since each query token's max is
     independent of the others.
+    masked_as_zero: d_mask reads as zeros (a masked doc token competes with similarity 0:
+    lik_gen.ir.Mask.as_zero); Triton kernels only.
     """
     lq = Q.shape[1]
     if out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
@@ -523,12 +526,13 @@ def forward(
             argmax.fill_(-1)  # no winners; on the kernel path the kernel writes every entry
         return out.zero_()
     if metal.handles(Q.device):  # MPS: the generated Metal kernels
+        if masked_as_zero:
+            raise NotImplementedError("no Metal kernel reads a doc mask as zeros")
         return metal.forward(
             layout, Q, D, q_mask, d_mask, normalize, out, backward=backward, argmax=argmax
         )
-    name = variant_name(
-        layout, q_mask is not None, d_mask is not None, normalize, Q.dtype, backward=backward
-    )
+    name = variant_name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype,
+                        backward=backward, masked_as_zero=masked_as_zero)  # fmt: skip
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     shared = {"D": D}
     if d_mask is not None:
@@ -595,6 +599,7 @@ def backward(
     has_d_mask: bool,
     normalize: bool,
     strategy: str,
+    masked_as_zero: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_Q, grad_D) of sum(grad_out * scores) from the argmax the forward saved."""
     lq = Q.shape[1]
@@ -604,7 +609,9 @@ def backward(
         return metal.backward(
             layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, strategy
         )
-    name = variant_name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, backward=strategy)
+    # The variant's backward kernels read only the argmax: masked_as_zero names the variant.
+    name = variant_name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, backward=strategy,
+                        masked_as_zero=masked_as_zero)  # fmt: skip
     module = registry.load(name)
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     grad_q_chunks, grad_d = [], None

@@ -66,6 +66,21 @@ def doc_has_token(d_tokens, index):
 
 
 @triton.jit
+def masked_as_zero(scored, best, d_tokens, index, d_len):
+    """The rows that count (`scored`, as doc_has_token decided them) when the doc mask
+    reads as zeros (MASKED_AS_ZERO, PyLate's convention): a masked doc token is not left
+    out of the max but competes with similarity 0. So a counted row whose max over the
+    valid tokens `best` is below 0 (-inf included) scores the 0 instead when the doc has a
+    masked token among its d_len positions (its count of valid tokens, valid_tokens, is
+    below d_len): it counts for nothing, as a row with no valid doc token does (it adds 0,
+    and its argmax is -1: no gradient, as PyLate's product with the mask passes none to a
+    masked winner). A tie at 0 keeps the valid token, NaN stays NaN. Applied once per doc,
+    after its tiles, which mask their similarities as for a plain doc mask."""
+    holes = tl.load(d_tokens + index) < d_len
+    return scored & ~((best < 0) & holes)
+
+
+@triton.jit
 def one_hot_dot(won, g, rows, acc, SPLIT_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 INPUT_PRECISION: tl.constexpr):  # fmt: skip
     """acc + (won * g) @ rows on the tensor cores: won [T, R] says which of R rows each of

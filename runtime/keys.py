@@ -108,12 +108,14 @@ def variant_name(
     op: str = "maxsim",
     score: str = "max",
     decompression: str = "none",
+    masked_as_zero: bool = False,
 ) -> str:
-    """The canonical generated-variant name of a call, built by lik_gen.ir.Variant."""
+    """The canonical generated-variant name of a call, built by lik_gen.ir.Variant;
+    masked_as_zero reads its doc mask as zeros (Mask.as_zero)."""
     return Variant(
         op=Op(op),
         layout=Layout(layout),
-        mask=Mask.of(has_q_mask, has_d_mask),
+        mask=Mask.of(has_q_mask, has_d_mask, masked_as_zero),
         dtype=dtype_of(dtype),
         target=Target(target),
         normalize=normalize,

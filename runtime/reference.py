@@ -51,16 +51,25 @@ def _valid_only(X: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return torch.where(mask[..., None], X, torch.zeros((), dtype=X.dtype, device=X.device))
 
 
-def _token_max(sim: torch.Tensor, d_mask: torch.Tensor | None) -> torch.Tensor:
+def _token_max(
+    sim: torch.Tensor, d_mask: torch.Tensor | None, masked_as_zero: bool = False
+) -> torch.Tensor:
     """max over the last axis (doc tokens) of sim, 0 where no doc token is valid; a valid
-    row of -inf similarities is a real -inf (the mask decides, not the value)."""
+    row of -inf similarities is a real -inf (the mask decides, not the value).
+    masked_as_zero: a masked doc token competes with similarity 0 (PyLate's convention):
+    a max below 0 in a doc with a masked token is 0, with zero gradient; a tie at 0 keeps
+    the valid token's."""
     if sim.shape[-1] == 0:  # a sum over no tokens: zeros that keep sim's graph
         return sim.sum(dim=-1)
     if d_mask is None:
         return sim.amax(dim=-1)
     best = sim.masked_fill(~d_mask, float("-inf")).amax(dim=-1)
     # Fully masked doc: 0, with zero gradient (where, not arithmetic).
-    return torch.where(d_mask.any(dim=-1), best, torch.zeros_like(best))
+    best = torch.where(d_mask.any(dim=-1), best, torch.zeros_like(best))
+    if masked_as_zero:
+        zero_wins = ~d_mask.all(dim=-1) & (best < 0)
+        best = torch.where(zero_wins, torch.zeros_like(best), best)
+    return best
 
 
 def _empty_scores(shape, *inputs: torch.Tensor) -> torch.Tensor:
@@ -96,24 +105,26 @@ def maxsim_reference(
     d_mask: torch.Tensor | None = None,
     *,
     normalize: bool = False,
+    masked_as_zero: bool = False,
 ) -> torch.Tensor:
     """MaxSim with lik.runtime.maxsim's layouts, as plain PyTorch.
 
     Q [Nq, Lq, d] or [Lq, d]; D [Nd, Ld, d] -> [Nq, Nd], D [Nq, K, Ld, d] -> [Nq, K],
     D [Ld, d] -> [Nq]. A [Lq, d] query squeezes the query axis of the result.
+    masked_as_zero: d_mask reads as zeros, PyLate's convention (_token_max;
+    lik.runtime.api.maxsim_masked_as_zero).
     """
     squeeze = Q.dim() == 2
     if squeeze:
         Q = Q.unsqueeze(0)
         q_mask = None if q_mask is None else q_mask.unsqueeze(0)
     if D.dim() == 2:
-        out = _dense(
-            Q, D.unsqueeze(0), q_mask, None if d_mask is None else d_mask.unsqueeze(0), normalize
-        )[:, 0]
+        d_mask = None if d_mask is None else d_mask.unsqueeze(0)
+        out = _dense(Q, D.unsqueeze(0), q_mask, d_mask, normalize, masked_as_zero)[:, 0]
     elif D.dim() == 4:
-        out = _kd(Q, D, q_mask, d_mask, normalize)
+        out = _kd(Q, D, q_mask, d_mask, normalize, masked_as_zero)
     else:
-        out = _dense(Q, D, q_mask, d_mask, normalize)
+        out = _dense(Q, D, q_mask, d_mask, normalize, masked_as_zero)
     return out[0] if squeeze else out
 
 
@@ -124,8 +135,10 @@ def maxsim_pairs_reference(
     d_mask: torch.Tensor | None = None,
     *,
     normalize: bool = False,
+    masked_as_zero: bool = False,
 ) -> torch.Tensor:
-    """Diagonal MaxSim: Q [B, Lq, d] with D [B, Ld, d] -> [B] (query b against doc b)."""
+    """Diagonal MaxSim: Q [B, Lq, d] with D [B, Ld, d] -> [B] (query b against doc b).
+    masked_as_zero as in maxsim_reference."""
     Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
     B, Lq, Ld = Q.shape[0], Q.shape[1], D.shape[1]
     rows = max(1, CHUNK_ELEMENTS // max(1, Lq * Ld))
@@ -135,7 +148,7 @@ def maxsim_pairs_reference(
         sim = torch.einsum("bsk,btk->bst", Q[start:stop], D[start:stop])
         dm = None if d_mask is None else d_mask[start:stop, None, :]
         qm = None if q_mask is None else q_mask[start:stop]
-        parts.append(_sum_query_tokens(_token_max(sim, dm), qm))
+        parts.append(_sum_query_tokens(_token_max(sim, dm, masked_as_zero), qm))
     return torch.cat(parts) if parts else _empty_scores((0,), Q, D)
 
 
@@ -162,7 +175,7 @@ def maxsim_from_hidden_reference(
     return maxsim_reference(Q.to(dtype), D, None, d_mask)
 
 
-def _dense(Q, D, q_mask, d_mask, normalize):
+def _dense(Q, D, q_mask, d_mask, normalize, masked_as_zero=False):
     Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
     Nq, Lq, Nd, Ld = Q.shape[0], Q.shape[1], D.shape[0], D.shape[1]
     docs = max(1, CHUNK_ELEMENTS // max(1, Nq * Lq * Ld))
@@ -172,11 +185,11 @@ def _dense(Q, D, q_mask, d_mask, normalize):
         sim = torch.einsum("isk,jtk->ijst", Q, D[start:stop])
         dm = None if d_mask is None else d_mask[None, start:stop, None, :]
         qm = None if q_mask is None else q_mask[:, None, :]
-        parts.append(_sum_query_tokens(_token_max(sim, dm), qm))
+        parts.append(_sum_query_tokens(_token_max(sim, dm, masked_as_zero), qm))
     return torch.cat(parts, dim=1) if parts else _empty_scores((Nq, 0), Q, D)
 
 
-def _kd(Q, D, q_mask, d_mask, normalize):
+def _kd(Q, D, q_mask, d_mask, normalize, masked_as_zero=False):
     Q, D = _prepare(Q, D, normalize, q_mask, d_mask)
     Nq, Lq, K, Ld = Q.shape[0], Q.shape[1], D.shape[1], D.shape[2]
     rows = max(1, CHUNK_ELEMENTS // max(1, K * Lq * Ld))
@@ -186,7 +199,7 @@ def _kd(Q, D, q_mask, d_mask, normalize):
         sim = torch.einsum("isk,ictk->icst", Q[start:stop], D[start:stop])
         dm = None if d_mask is None else d_mask[start:stop, :, None, :]
         qm = None if q_mask is None else q_mask[start:stop, None, :]
-        parts.append(_sum_query_tokens(_token_max(sim, dm), qm))
+        parts.append(_sum_query_tokens(_token_max(sim, dm, masked_as_zero), qm))
     return torch.cat(parts, dim=0) if parts else _empty_scores((0, K), Q, D)
 
 

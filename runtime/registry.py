@@ -22,7 +22,7 @@ import threading
 from types import ModuleType
 
 from lik.runtime import prewarm
-from lik_gen.ir import DType
+from lik_gen.ir import DType, Mask, Variant
 
 # The header's hash line, in Python (#) or Metal (//) comments.
 _HASH_LINE = re.compile(r"^(?:#|//) body-sha256: ([0-9a-f]{64})\n\n", re.MULTILINE)
@@ -127,8 +127,9 @@ def read_shared(module: str) -> tuple[str, str]:
 
 class BoundVariant:
     """A structural kernel's module with one variant's values bound: `launch` and
-    `backward` take the variant's normalize, `smem_bytes` its operand size; every other
-    attribute is the module's."""
+    `backward` take the variant's normalize, `launch` whether it reads its doc mask as
+    zeros (masked_as_zero, in the kernels that can: Kernel.takes_zero_mask), `smem_bytes`
+    its operand size; every other attribute is the module's."""
 
     def __init__(self, name: str, module: ModuleType, values: dict) -> None:
         self.name = name
@@ -139,6 +140,9 @@ class BoundVariant:
         for role in ("launch", "backward"):
             if hasattr(module, role):
                 setattr(self, role, functools.partial(getattr(module, role), normalize=normalize))
+        if hasattr(module, "launch") and Variant.parse(name).kernel.takes_zero_mask:
+            zero = Mask(values["mask"]).as_zero
+            self.launch = functools.partial(self.launch, masked_as_zero=zero)
         if hasattr(module, "smem_bytes"):
             operand = SMEM_OPERAND_BYTES[values["dtype"]]
             self.smem_bytes = functools.partial(module.smem_bytes, operand_bytes=operand)

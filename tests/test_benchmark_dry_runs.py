@@ -51,7 +51,7 @@ def _lik_results(name: str, report: dict) -> list[dict]:
 
 
 DRY_RUNS = ["forward", "train", "head", "fp8", "retrieve", "plaid", "ragged", "variants",
-            "backward", "cold_start"]  # fmt: skip
+            "backward", "cold_start", "pylate"]  # fmt: skip
 
 
 def test_every_benchmark_with_a_dry_run_is_run_here():

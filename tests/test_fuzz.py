@@ -4,7 +4,9 @@ Each case is drawn from its own seed (`Case.draw`): an entry (maxsim's in-batch,
 one-query and one-doc layouts, maxsim_pairs, maxsim_varlen), sizes from 0 tokens up, odd
 head dims (1, 3, 7, 48 among others), masks with holes (fully masked rows included),
 NaN or an infinity written into every masked position, now and then a NaN or infinity
-in one valid token, normalize, the backward strategy, and whether gradients are taken.
+in one valid token, normalize, the backward strategy, and whether gradients are taken;
+and for the padded layouts with a doc mask and no normalize, now and then the doc mask
+read as zeros (PyLate's convention, lik.runtime.api.maxsim_masked_as_zero).
 The reference below (`expected`) sanitizes masked positions itself and shares no code
 with lik.runtime.reference; its rule is the one that module's docstring writes down.
 
@@ -23,7 +25,7 @@ import random
 import pytest
 import torch
 
-from lik.runtime import dispatch, maxsim, maxsim_pairs, maxsim_varlen
+from lik.runtime import api, dispatch, maxsim, maxsim_pairs, maxsim_varlen
 
 NAN, INF = float("nan"), float("inf")
 ENTRIES = ("dense", "kd", "one_query", "one_doc", "pairs", "varlen")
@@ -56,6 +58,7 @@ class Case:
     normalize: bool
     backward: str | None
     grad: bool
+    zero: bool = False  # the doc mask read as zeros (a masked doc token competes as 0)
 
     @classmethod
     def draw(cls, seed: int, path: str) -> Case:
@@ -74,13 +77,16 @@ class Case:
         valid_value = r.choice([NAN, INF, -INF]) if r.random() < 0.1 else None
         grad = valid_value is None and r.random() < 0.5
         dtype = torch.bfloat16 if r.random() < 0.15 else torch.float32
+        normalize, backward = r.random() < 0.4, r.choice([None, "unified", "lowmem"])
+        # Drawn last, so that the draws above stay what they were before it existed.
+        zero = entry in ("dense", "kd", "pairs") and d_mask and not normalize
+        zero = zero and r.random() < 0.6
         return cls(seed, path, entry, dtype, nq, nd, lq, ld, d, q_mask, d_mask, poison,
-                   valid_value, r.random() < 0.4, r.choice([None, "unified", "lowmem"]),
-                   grad)  # fmt: skip
+                   valid_value, normalize, backward, grad, zero)  # fmt: skip
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        masks = "q" * self.q_mask + "d" * self.d_mask or "none"
+        masks = "q" * self.q_mask + "d" * self.d_mask + " as zero" * self.zero or "none"
         sizes = f"nq={self.nq} nd={self.nd} lq={self.lq} ld={self.ld} d={self.d}"
         values = f"poison={self.poison} valid_value={self.valid_value}"
         call = f"normalize={self.normalize} backward={self.backward} grad={self.grad}"
@@ -175,15 +181,20 @@ def _unit(X):
     return X / X.norm(dim=-1, keepdim=True).clamp_min(1e-12)
 
 
-def _best(sim, valid):
+def _best(sim, valid, zero=False):
     """Per query token, the max over its doc tokens that `valid` admits (None: all);
-    0 where none is valid."""
+    0 where none is valid. zero: every token `valid` leaves out competes with similarity
+    0 (the 0 wins a tie only as a 0: the valid token keeps the gradient)."""
     if sim.shape[-1] == 0:
         return sim.sum(dim=-1)
     if valid is None:
         return sim.amax(dim=-1)
     best = sim.masked_fill(~valid, -INF).amax(dim=-1)
-    return torch.where(valid.any(dim=-1), best, torch.zeros((), dtype=best.dtype))
+    best = torch.where(valid.any(dim=-1), best, torch.zeros((), dtype=best.dtype))
+    if zero:
+        left_out = (~valid).any(dim=-1)
+        best = torch.where(left_out & (best < 0), torch.zeros((), dtype=best.dtype), best)
+    return best
 
 
 def expected(case, Q, D, q_mask, d_mask):
@@ -204,7 +215,7 @@ def expected(case, Q, D, q_mask, d_mask):
     else:
         sim = torch.einsum("isk,jtk->ijst", Q, D)
         dm = None if d_mask is None else d_mask[None, :, None, :]
-    best = _best(sim, dm)
+    best = _best(sim, dm, case.zero)
     if q_mask is not None:
         qm = q_mask if case.entry == "pairs" else q_mask[:, None, :]
         best = torch.where(qm, best, torch.zeros((), dtype=best.dtype))
@@ -236,6 +247,9 @@ def expected_ragged(case, Q, D, cu_q, cu_d):
 
 def _call(case, Q, D, q_mask, d_mask):
     kw = {"normalize": case.normalize, "backward": case.backward}
+    if case.zero:
+        return api.maxsim_masked_as_zero(Q, D, q_mask, d_mask, pairs=case.entry == "pairs",
+                                         backward=case.backward)  # fmt: skip
     if case.entry == "pairs":
         return maxsim_pairs(Q, D, q_mask, d_mask, **kw)
     return maxsim(Q, D, q_mask, d_mask, **kw)
@@ -365,6 +379,7 @@ def _run_group(cases, record_property, group):
         "with gradients": sum(c.grad and not _ties(c) for c in cases),
         "poisoned padding": sum(c.poison is not None for c in cases),
         "non-finite valid value": sum(c.valid_value is not None for c in cases),
+        "doc mask as zeros": sum(c.zero for c in cases),
         "failed": len(failures),
     }
     for entry in ENTRIES:
@@ -401,3 +416,6 @@ def test_the_draws_cover_what_the_fuzz_promises():
         poisons = {str(c.poison) for c in cases}
         assert {"nan", "inf", "-inf"} <= poisons, (path, poisons)
         assert {c.backward for c in cases if c.grad} == {None, "unified", "lowmem"}, path
+        zero = [c for c in cases if c.zero]
+        assert {c.entry for c in zero} == {"dense", "kd", "pairs"}, path
+        assert any(c.grad for c in zero) and any(c.q_mask for c in zero), path

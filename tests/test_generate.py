@@ -156,14 +156,16 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
     # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS, the token ranges' row maxima
     # (Partial) and their arrival counts (Arrivals), peels a partial last tile (PEEL_TAIL)
     # into a TAIL_L-token tile, and may hint its doc loads evict-first (EVICT_DOCS). With a
-    # doc mask comes each doc's count of valid tokens (d_tokens).
+    # doc mask comes each doc's count of valid tokens (d_tokens); it may read its doc mask
+    # as zeros (MASKED_AS_ZERO, a value of the mask axis).
     assert signature("maxsim_dense_triton") == [
         "Q", "D", "q_mask", "d_mask", "d_tokens", "Out", "Partial", "Arrivals", "Nq", "Nd", "Lq",
         "Ld", "dim", "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
         "stride_qmb", "stride_qms", "stride_dmb", "stride_dmt", "stride_ob", "stride_oc",
         "BLOCK_Q: tl.constexpr", "BLOCK_L: tl.constexpr", "BLOCK_K: tl.constexpr",
         "DOT_DTYPE: tl.constexpr", "INPUT_PRECISION: tl.constexpr",
-        "HAS_Q_MASK: tl.constexpr", "HAS_D_MASK: tl.constexpr", "NORMALIZE: tl.constexpr",
+        "HAS_Q_MASK: tl.constexpr", "HAS_D_MASK: tl.constexpr",
+        "MASKED_AS_ZERO: tl.constexpr", "NORMALIZE: tl.constexpr",
         "EVEN_LD: tl.constexpr", "QUERY_GROUP: tl.constexpr", "DOCS_PER_PROGRAM: tl.constexpr",
         "FLAT_DOCS: tl.constexpr", "DOC_SPLITS: tl.constexpr", "PEEL_TAIL: tl.constexpr",
         "TAIL_L: tl.constexpr", "EVICT_DOCS: tl.constexpr",

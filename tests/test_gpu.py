@@ -35,8 +35,9 @@ SHAPES = {  # (Nq, Nd or K, Lq, Ld, d)
 }
 
 
-def _eager(Q, D, q_mask, d_mask, layout, normalize):
-    """What a user would write in the inputs' dtype: einsum + amax + masked sum."""
+def _eager(Q, D, q_mask, d_mask, layout, normalize, masked_as_zero=False):
+    """What a user would write in the inputs' dtype: einsum + amax + masked sum (with
+    masked_as_zero, PyLate's: the similarities times the doc mask)."""
     if normalize:
         Q, D = torch.nn.functional.normalize(Q, dim=-1), torch.nn.functional.normalize(D, dim=-1)
     spec = {"dense": "isk,jtk->ijst", "kd": "isk,ijtk->ijst", "pairs": "isk,itk->ist"}[layout]
@@ -48,7 +49,7 @@ def _eager(Q, D, q_mask, d_mask, layout, normalize):
             dm = d_mask[:, :, None, :]
         else:
             dm = d_mask[:, None, :]
-        sim = sim.masked_fill(~dm, float("-inf"))
+        sim = sim * dm if masked_as_zero else sim.masked_fill(~dm, float("-inf"))
     best = sim.amax(-1).float()
     best = torch.where(torch.isneginf(best), torch.zeros_like(best), best)
     if q_mask is not None:
@@ -77,18 +78,20 @@ def test_gpu_variant_parity(name, shape):
     d_mask = (
         (torch.rand(*d_shape, device="cuda", generator=g) < 0.7) if variant.mask.has_d else None
     )
+    zero = variant.mask.as_zero
     reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
-    ref = reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
+    ref = reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize,
+                    masked_as_zero=zero)  # fmt: skip
     out_shape = (Nq,) if layout == "pairs" else (Nq, Nd)
-    out = dispatch.forward(
-        layout, Q, D, q_mask, d_mask, variant.normalize, poisoned(out_shape, "cuda")
-    )
+    out = dispatch.forward(layout, Q, D, q_mask, d_mask, variant.normalize,
+                           poisoned(out_shape, "cuda"), masked_as_zero=zero)  # fmt: skip
     torch.cuda.synchronize()
     assert not torch.isnan(out).any(), "unwritten (poisoned) output elements"
     err = relative_error(out, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.3g}"
     if dtype in (torch.float16, torch.bfloat16):
-        eager_err = relative_error(_eager(Q, D, q_mask, d_mask, layout, variant.normalize), ref)
+        eager = _eager(Q, D, q_mask, d_mask, layout, variant.normalize, zero)
+        eager_err = relative_error(eager, ref)
         assert err <= 1.1 * eager_err + 1e-6, f"error {err:.3g} vs same-dtype eager {eager_err:.3g}"
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lik import runtime
-from lik.runtime import dispatch
+from lik.runtime import api, dispatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,6 +32,7 @@ pytestmark = [
 ]
 
 DEVICE = "cuda"
+ZERO = "maxsim_masked_as_zero"  # the entry PyLate's bool doc masks take (read as zeros)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32 = {"rtol": 1e-4, "atol": 1e-4}
 BF16_FLOOR = 1e-2  # relative error to the fp32 result that lik may always have in bf16
@@ -66,15 +67,15 @@ def lik_calls(monkeypatch):
     """Names of the lik entry points that returned a result (not a fallback)."""
     assert dispatch.backend(torch.device(DEVICE)) == "triton", "lik would not run its kernels"
     calls = []
-    for name in ("maxsim", "maxsim_pairs"):
-        real = getattr(runtime, name)
+    for module, name in ((runtime, "maxsim"), (runtime, "maxsim_pairs"), (api, ZERO)):
+        real = getattr(module, name)
 
         def recording(*args, _real=real, _name=name, **kwargs):
             result = _real(*args, **kwargs)
             calls.append(_name)
             return result
 
-        monkeypatch.setattr(runtime, name, recording)
+        monkeypatch.setattr(module, name, recording)
     return calls
 
 
@@ -170,11 +171,11 @@ def test_pylate_score_functions(pylate, lik_calls, dtype):
     grouped_mask = _mask(2, K, LD, generator=g)
     metric = colbert.ColBERTScores()  # made before enabling, as a loss holds it
     cases = [
-        (lambda Q, D: colbert.colbert_scores(Q, D, q_mask, d_mask), D, "maxsim"),
+        (lambda Q, D: colbert.colbert_scores(Q, D, q_mask, d_mask), D, ZERO),
         (lambda Q, D: colbert.colbert_scores(Q, D, documents_mask=d_mask.float()), D, "maxsim"),
-        (lambda Q, D: colbert.colbert_kd_scores(Q, D, q_mask, kd_mask), D_kd, "maxsim"),
+        (lambda Q, D: colbert.colbert_kd_scores(Q, D, q_mask, kd_mask), D_kd, ZERO),
         (lambda Q, D: colbert.colbert_scores_pairwise(Q, D), D_pairs, "maxsim_pairs"),
-        (lambda Q, D: metric(Q, D, q_mask, grouped_mask), D_grouped, "maxsim"),
+        (lambda Q, D: metric(Q, D, q_mask, grouped_mask), D_grouped, ZERO),
     ]
     for call, docs, entry in cases:
         lik_calls.clear()
@@ -241,7 +242,7 @@ def test_pylate_losses(pylate, lik_calls, dtype):
     for name, call in cases.items():
         lik_calls.clear()
         _check(lik_pylate, call, [_table(g)], dtype)
-        assert lik_calls and set(lik_calls) == {"maxsim"}, name
+        assert lik_calls and set(lik_calls) == {ZERO}, name  # PyLate's losses: bool masks
 
 
 # colpali-engine functions and loss heads (zero-padded embeddings, no masks).
@@ -372,7 +373,7 @@ def test_contrastive_training_tracks_pylate(pylate, lik_calls, dtype):
     assert lik_calls == []
     with lik_pylate.enabled():
         routed = _train(losses, dtype)
-    assert lik_calls == ["maxsim"] * STEPS
+    assert lik_calls == [ZERO] * STEPS
     difference = _differences(routed, unpatched)
     report = f"PyLate {unpatched}, with lik {routed}"
     if dtype == torch.float32:

@@ -5,6 +5,8 @@ goes to PyLate unchanged; disable() puts the originals back by identity.
 Inputs are random fp32 batches with padding (a doc with no padding, a fully masked doc,
 masked query tokens), compared at fp32 tolerances. Paths: the CPU reference (TRITON_INTERPRET
 off) and, where there is no GPU, the generated kernels under the interpreter (tiny shapes).
+Bool doc masks reach lik as they are (ZERO: the masked-as-zero entry); masks of other
+dtypes through zeroed copies (lik.maxsim).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ colbert = pytest.importorskip("pylate.scores.colbert")
 
 from lik import integrations, runtime  # noqa: E402
 from lik.integrations import pylate as lik_pylate  # noqa: E402
+from lik.runtime import api  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -27,6 +30,7 @@ ORIGINALS = {
 }
 ORIGINAL_CALL = colbert.ColBERTScores.__call__
 HAS_KERNEL = integrations.has_kernel
+ZERO = "maxsim_masked_as_zero"  # the entry a bool doc mask takes
 
 
 @pytest.fixture(autouse=True)
@@ -47,14 +51,14 @@ def reference_path_counts_as_a_kernel(monkeypatch):
 def lik_calls(monkeypatch):
     """Names of the lik entry points that calls reached (empty: PyLate scored alone)."""
     calls = []
-    for name in ("maxsim", "maxsim_pairs"):
-        real = getattr(runtime, name)
+    for module, name in ((runtime, "maxsim"), (runtime, "maxsim_pairs"), (api, ZERO)):
+        real = getattr(module, name)
 
         def recording(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(runtime, name, recording)
+        monkeypatch.setattr(module, name, recording)
     return calls
 
 
@@ -143,7 +147,7 @@ def test_colbert_scores(lik_path, lik_calls, mask_kind):
     actual, expected = _routed_and_original(call, [Q, D])
     _assert_same(actual, expected)
     _assert_padding_matters(Q, D, q_mask, d_mask, expected[0])
-    assert lik_calls == ["maxsim"]
+    assert lik_calls == [ZERO if mask_kind == "bool" else "maxsim"]
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
@@ -159,7 +163,7 @@ def test_colbert_kd_scores(lik_path, lik_calls, mask_kind):
     actual, expected = _routed_and_original(call, [Q, D])
     _assert_same(actual, expected)
     _assert_padding_matters(Q, D, q_mask, d_mask, expected[0])
-    assert lik_calls == ["maxsim"]
+    assert lik_calls == [ZERO if mask_kind == "bool" else "maxsim"]
 
 
 def test_colbert_scores_pairwise(lik_path, lik_calls):
@@ -187,7 +191,7 @@ def test_colbert_scores_class_is_one_lik_call(lik_path, lik_calls, with_query_ma
     _assert_same(actual, expected)
     assert actual[0].shape == (NQ, 2 * K)
     _assert_padding_matters(Q, D.flatten(0, 1), q_mask, d_mask.flatten(0, 1), expected[0])
-    assert lik_calls == ["maxsim"]
+    assert lik_calls == [ZERO]
 
 
 def test_forward_only_calls(lik_path, lik_calls):
@@ -198,7 +202,7 @@ def test_forward_only_calls(lik_path, lik_calls):
     with lik_pylate.enabled(), torch.no_grad():
         actual = colbert.colbert_scores(Q, D, documents_mask=d_mask)
     torch.testing.assert_close(actual, expected, **FP32)
-    assert lik_calls == ["maxsim"]
+    assert lik_calls == [ZERO]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -215,7 +219,7 @@ def test_half_precision_keeps_pylates_dtype(lik_calls, monkeypatch, dtype):
             actual = colbert.colbert_scores(Q, D, documents_mask=mask)
         assert actual.dtype == expected.dtype
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    assert lik_calls == ["maxsim", "maxsim"]
+    assert lik_calls == [ZERO, "maxsim"]
 
 
 def _unrouted_cases():
@@ -368,7 +372,7 @@ def test_contrastive_loss(lik_path, lik_calls, expansion):
     _compare_loss(
         lambda model: losses.Contrastive(model, score_mini_batch_size=2), features, None, expansion
     )
-    assert lik_calls == ["maxsim"] * 2  # two query chunks
+    assert lik_calls == [ZERO] * 2  # two query chunks
 
 
 def test_cached_contrastive_loss(lik_path, lik_calls):
@@ -376,7 +380,7 @@ def test_cached_contrastive_loss(lik_path, lik_calls):
     g = _generator(9)
     features = [_features(3, 6, g, QUERY_WORDS), _features(3, 9, g)]
     _compare_loss(lambda model: losses.CachedContrastive(model, mini_batch_size=2), features)
-    assert lik_calls == ["maxsim"] * 2
+    assert lik_calls == [ZERO] * 2
 
 
 def test_distillation_loss(lik_path, lik_calls):
@@ -387,7 +391,7 @@ def test_distillation_loss(lik_path, lik_calls):
     labels = torch.randn(3, candidates, generator=g)
     # Built inside the block, the loss takes the routed twin as its default score_metric.
     _compare_loss(lambda model: losses.Distillation(model), features, labels)
-    assert lik_calls == ["maxsim"]
+    assert lik_calls == [ZERO]
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
@@ -410,5 +414,5 @@ def test_a_cpu_without_the_interpreter_stays_with_the_library(lik_calls, monkeyp
         assert lik_calls == []
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     else:
-        assert lik_calls == ["maxsim"]
+        assert lik_calls == [ZERO]
         torch.testing.assert_close(actual, expected, **FP32)

@@ -36,8 +36,13 @@ def _case(variant: Variant, Nq, Nd, Lq, Ld, dim, generator, p_valid=0.7):
     dtype = TORCH_DTYPE[variant.dtype.value]
     layout = variant.layout.value
     d_shape = {"dense": (Nd, Ld), "kd": (Nq, Nd, Ld), "pairs": (Nq, Ld)}[layout]
-    Q = torch.randn(Nq, Lq, dim, generator=generator).to(DEVICE, dtype)
-    D = torch.randn(*d_shape, dim, generator=generator).to(DEVICE, dtype)
+    Q = torch.randn(Nq, Lq, dim, generator=generator)
+    D = torch.randn(*d_shape, dim, generator=generator)
+    zero = variant.mask.as_zero
+    if zero:  # lean apart: many query tokens' best is below 0, where masked tokens' 0 wins
+        Q[..., 0] += 5.0
+        D[..., 0] -= 5.0
+    Q, D = Q.to(DEVICE, dtype), D.to(DEVICE, dtype)
     q_mask = (
         random_mask((Nq, Lq), p_valid, DEVICE, generator=generator) if variant.mask.has_q else None
     )
@@ -45,14 +50,16 @@ def _case(variant: Variant, Nq, Nd, Lq, Ld, dim, generator, p_valid=0.7):
         random_mask(d_shape, p_valid, DEVICE, generator=generator) if variant.mask.has_d else None
     )
     reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
-    ref = reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
+    ref = reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize,
+                    masked_as_zero=zero)  # fmt: skip
     out_shape = {"dense": (Nq, Nd), "kd": (Nq, Nd), "pairs": (Nq,)}[layout]
     return Q, D, q_mask, d_mask, out_shape, ref
 
 
 def _run(variant: Variant, Q, D, q_mask, d_mask, out_shape):
     out = poisoned(out_shape, DEVICE)
-    return dispatch.forward(variant.layout.value, Q, D, q_mask, d_mask, variant.normalize, out)
+    return dispatch.forward(variant.layout.value, Q, D, q_mask, d_mask, variant.normalize, out,
+                            masked_as_zero=variant.mask.as_zero)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", inference_variant_names(registry.names()))

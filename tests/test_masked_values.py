@@ -10,6 +10,10 @@ written in lik.runtime.reference's docstring).
   values take the same kernel code, and the interpreter is slow).
 - A valid token's -inf similarity row is a real -inf, unlike "no valid doc token", which
   adds 0; whether a mask is passed does not change a score. On both CPU paths.
+- The doc mask read as zeros (PyLate's convention, lik.runtime.api.maxsim_masked_as_zero:
+  a masked doc token competes with similarity 0) follows the same rules: padding is
+  inert, and the -inf rule holds where the doc has no masked token (with one, the 0
+  wins over -inf); in every layout and every loop shape of the dense forward.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import pytest
 import torch
 
 from lik.runtime import (
+    api,
     dispatch,
     maxsim,
     maxsim_pairs,
@@ -151,6 +156,34 @@ def test_padding_never_reaches_maxsim(layout, side, backward, normalize, lik_pat
 
     def call(q, d):
         return entry(q, d, q_mask, d_mask, normalize=normalize, backward=backward)
+
+    _assert_padding_is_inert(call, (Qp, Dp), (Qc, Dc), (q_mask, d_mask))
+
+
+@quiet_numpy
+@pytest.mark.parametrize("lik_path, poison", _paths_and_poisons(), indirect=["lik_path"])
+@pytest.mark.parametrize("backward", [None, "unified", "lowmem"])
+@pytest.mark.parametrize("side", ["d", "qd"])
+@pytest.mark.parametrize("layout", ["dense", "kd", "pairs"])
+def test_padding_never_reaches_masked_as_zero(layout, side, backward, lik_path, poison):
+    """A masked doc token competes as similarity 0 whatever it holds: its value is
+    padding like any other (a product with the mask, as PyLate computes, would be NaN)."""
+    Q, D, _, q_mask, d_mask = _inputs(layout, side)
+    value = POISONS[poison]
+    Qp = Q if q_mask is None else _poison(Q, q_mask, value)
+    Qc = Q if q_mask is None else _poison(Q, q_mask, 0.0)
+    Dp, Dc = _poison(D, d_mask, value), _poison(D, d_mask, 0.0)
+    pairs = layout == "pairs"
+    if backward is None:  # inference: the scores, which a masked token's 0 changes
+        out = api.maxsim_masked_as_zero(Qp, Dp, q_mask, d_mask, pairs=pairs)
+        want = api.maxsim_masked_as_zero(Qc, Dc, q_mask, d_mask, pairs=pairs)
+        assert out.isfinite().all() and torch.equal(out, want)
+        own = _reference_of(layout, Qc, Dc, q_mask, d_mask)
+        assert not torch.allclose(want, own), "no masked token's 0 won: a weak case"
+        return
+
+    def call(q, d):
+        return api.maxsim_masked_as_zero(q, d, q_mask, d_mask, pairs=pairs, backward=backward)
 
     _assert_padding_is_inert(call, (Qp, Dp), (Qc, Dc), (q_mask, d_mask))
 
@@ -380,9 +413,10 @@ def _neg_inf_rows(layout, masked, Ld=37):
     return _poison(Q, q_mask, NAN), _poison(D, d_mask, NAN), q_mask, d_mask
 
 
-def _reference_of(layout, Q, D, q_mask, d_mask, normalize=False):
+def _reference_of(layout, Q, D, q_mask, d_mask, normalize=False, masked_as_zero=False):
     reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
-    return reference(Q.double(), D.double(), q_mask, d_mask, normalize=normalize).float()
+    return reference(Q.double(), D.double(), q_mask, d_mask, normalize=normalize,
+                     masked_as_zero=masked_as_zero).float()  # fmt: skip
 
 
 def _expect_tensor(out, want):
@@ -424,6 +458,63 @@ def test_inf_rule_in_every_dense_loop_shape(loop, masked):
     want = _reference_of("dense", Q, D, q_mask, d_mask)
     assert want[0].isinf().any() and (not masked or want[0, 1] == 0)
     _expect_tensor(out, want)
+
+
+@quiet_numpy
+@pytest.mark.parametrize("loop", list(DENSE_LOOPS))
+@pytest.mark.usefixtures("interpreter_path")
+def test_masked_as_zero_in_every_dense_loop_shape(loop):
+    """The doc mask read as zeros in each loop shape: doc 0 has no masked token (its -inf
+    row stays -inf), the others have some, so their 0 beats -inf and every negative max."""
+    Q, D, q_mask, d_mask = _negative_rows("dense")
+    name = "maxsim_dense_qdzeromask_fp32_triton"
+    module = registry.load(name)
+    config = dispatch._config(name, module, Q, Q.shape[1], Q.shape[0])
+    config = dataclasses.replace(config, **DENSE_LOOPS[loop])
+    out = torch.full((2, 4), 123.0)
+    module.launch(out, Q, D, validate.byte_mask(q_mask), validate.byte_mask(d_mask),
+                  config=config)  # fmt: skip
+    want = _reference_of("dense", Q, D, q_mask, d_mask, masked_as_zero=True)
+    own = _reference_of("dense", Q, D, q_mask, d_mask)
+    assert want[0, 0] == -INF and want[0, 1:].isfinite().all()
+    assert (want > own).any(), "no masked token's 0 won: a weak case"
+    _expect_tensor(out, want)
+
+
+def _negative_rows(layout):
+    """_neg_inf_rows with masks, and query token (1, 0) at a negative similarity to every
+    doc token: a doc's masked token (its 0) wins it wherever the doc has one."""
+    Q, D, q_mask, d_mask = _neg_inf_rows(layout, True)
+    Q[1, 0] = torch.tensor([-1.0, 0.0, 0.0, 0.0])
+    return Q, D, q_mask, d_mask
+
+
+def _zero_entry(layout, backward):
+    def call(Q, D, qm, dm):
+        out = api.maxsim_masked_as_zero(Q.requires_grad_(backward is not None), D, qm, dm,
+                                        pairs=layout == "pairs", backward=backward)  # fmt: skip
+        return out.detach()
+
+    return call
+
+
+ZERO_ENTRIES = {
+    f"{layout}{'' if backward is None else f', {backward} training forward'}": (
+        layout, _zero_entry(layout, backward))
+    for layout in ("dense", "kd", "pairs")
+    for backward in (None, "unified", "lowmem")
+}  # fmt: skip
+
+
+@quiet_numpy
+@pytest.mark.parametrize("entry", list(ZERO_ENTRIES))
+def test_masked_as_zero_in_every_layout(lik_path, entry):
+    layout, call = ZERO_ENTRIES[entry]
+    Q, D, q_mask, d_mask = _negative_rows(layout)
+    want = _reference_of(layout, Q, D, q_mask, d_mask, masked_as_zero=True)
+    own = _reference_of(layout, Q, D, q_mask, d_mask)
+    assert (want > own).any(), "no masked token's 0 won: a weak case"
+    _expect_tensor(call(Q.clone(), D, q_mask, d_mask), want)
 
 
 ENTRIES = {

@@ -29,11 +29,17 @@ def _gradient_tolerance(dtype):
     return 1e-5 if INTERPRETER and dtype == torch.float32 else TOLERANCE[dtype]
 
 
-def _inputs(layout, dtype, Nq, Nd, Lq, Ld, dim, seed, has_q_mask, has_d_mask):
+def _inputs(layout, dtype, Nq, Nd, Lq, Ld, dim, seed, has_q_mask, has_d_mask, lean=False):
+    """Random inputs; lean: queries and docs lean apart along the first axis, so that many
+    query tokens' best similarities are below 0 (where a doc mask read as zeros decides)."""
     g = torch.Generator().manual_seed(seed)
     d_shape = {"dense": (Nd, Ld), "kd": (Nq, Nd, Ld), "pairs": (Nq, Ld)}[layout]
-    Q = torch.randn(Nq, Lq, dim, generator=g).to(DEVICE, dtype)
-    D = torch.randn(*d_shape, dim, generator=g).to(DEVICE, dtype)
+    Q = torch.randn(Nq, Lq, dim, generator=g)
+    D = torch.randn(*d_shape, dim, generator=g)
+    if lean:
+        Q[..., 0] += 2.0
+        D[..., 0] -= 2.0
+    Q, D = Q.to(DEVICE, dtype), D.to(DEVICE, dtype)
     q_mask = (torch.rand(Nq, Lq, generator=g) < 0.75).to(DEVICE) if has_q_mask else None
     d_mask = None
     if has_d_mask:
@@ -43,18 +49,23 @@ def _inputs(layout, dtype, Nq, Nd, Lq, Ld, dim, seed, has_q_mask, has_d_mask):
     return Q, D, q_mask, d_mask, weights
 
 
-def _run(layout, Q, D, q_mask, d_mask, weights, normalize, backward):
+def _run(layout, Q, D, q_mask, d_mask, weights, normalize, backward, masked_as_zero=False):
     Qg, Dg = Q.clone().requires_grad_(), D.clone().requires_grad_()
-    score = maxsim_pairs if layout == "pairs" else maxsim
-    out = score(Qg, Dg, q_mask, d_mask, normalize=normalize, backward=backward)
+    if masked_as_zero:  # the doc mask read as zeros: the internal entry (no normalize)
+        assert not normalize
+        out = api.maxsim_masked_as_zero(Qg, Dg, q_mask, d_mask, pairs=layout == "pairs",
+                                        backward=backward)  # fmt: skip
+    else:
+        score = maxsim_pairs if layout == "pairs" else maxsim
+        out = score(Qg, Dg, q_mask, d_mask, normalize=normalize, backward=backward)
     (out * weights).sum().backward()
     return out, Qg.grad, Dg.grad
 
 
-def _reference(layout, Q, D, q_mask, d_mask, weights, normalize):
+def _reference(layout, Q, D, q_mask, d_mask, weights, normalize, masked_as_zero=False):
     Qr, Dr = Q.double().requires_grad_(), D.double().requires_grad_()
     reference = maxsim_pairs_reference if layout == "pairs" else maxsim_reference
-    out = reference(Qr, Dr, q_mask, d_mask, normalize=normalize)
+    out = reference(Qr, Dr, q_mask, d_mask, normalize=normalize, masked_as_zero=masked_as_zero)
     (out * weights.double()).sum().backward()
     return out, Qr.grad, Dr.grad
 
@@ -63,10 +74,11 @@ def _reference(layout, Q, D, q_mask, d_mask, weights, normalize):
 def test_training_variant_gradients(name):
     variant = Variant.parse(name)
     layout, dtype = variant.layout.value, TORCH_DTYPE[variant.dtype.value]
+    zero = variant.mask.as_zero
     inputs = _inputs(layout, dtype, 3, 4, 5, 19, 24, stable_seed(name), variant.mask.has_q,
-                     variant.mask.has_d)  # fmt: skip
-    out, gq, gd = _run(layout, *inputs, variant.normalize, variant.backward.value)
-    ref, rq, rd = _reference(layout, *inputs, variant.normalize)
+                     variant.mask.has_d, lean=zero)  # fmt: skip
+    out, gq, gd = _run(layout, *inputs, variant.normalize, variant.backward.value, zero)
+    ref, rq, rd = _reference(layout, *inputs, variant.normalize, zero)
     assert gq.dtype == dtype and gd.dtype == dtype
     assert relative_error(out, ref) < (1e-5 if INTERPRETER else TOLERANCE[dtype])
     tolerance = _gradient_tolerance(dtype)

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d59e9da56286f6b924ce688dd74603a664e044b97529cbf57d049ab6c94a51e1
+# body-sha256: c1ba10fe46f6942819829faa62a7e2fc577af03643b8707840d95a72b9d8fc54
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -97,6 +98,7 @@ def maxsim_dense_triton_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
@@ -246,6 +248,8 @@ def maxsim_dense_triton_fwd_kernel(
 
                 if HAS_D_MASK:
                     scored = q_valid & doc_has_token(d_tokens, doc)
+                    if MASKED_AS_ZERO:
+                        scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -270,6 +274,8 @@ def maxsim_dense_triton_fwd_kernel(
                 # DOC_SPLITS, groups, rows].
                 if HAS_D_MASK:
                     scored = q_valid & doc_has_token(d_tokens, doc)
+                    if MASKED_AS_ZERO:
+                        scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -354,6 +360,8 @@ def maxsim_dense_triton_fwd_kernel(
 
             if HAS_D_MASK:
                 scored = q_valid & doc_has_token(d_tokens, doc)
+                if MASKED_AS_ZERO:
+                    scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
             else:
                 scored = q_valid & (d_len > 0)
             final = tl.where(scored, final, 0.0)
@@ -391,7 +399,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, Nd]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -453,6 +461,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         QUERY_GROUP=config.query_group,
         DOCS_PER_PROGRAM=config.docs_per_program,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: babefe44f42a87e2df983c7340a3eaa58e3632cbc80874dad9c1fd8629d83021
+# body-sha256: e83b0483ee46dfd55130be2e3795fd7df082a39449d9905856880f42361db808
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -97,6 +98,7 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
@@ -230,6 +232,8 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, doc)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -505,7 +509,7 @@ def lowmem_d_grid(Nd, Ld, BLOCK_L):
     return (Nd * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -555,6 +559,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         QUERY_GROUP=config.query_group,
         EVEN_LD=Ld % config.block_l == 0,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 24d1e195bc36c480ba7001e7ce798e6c9b7c32d74b13b26ecf980cb895993065
+# body-sha256: 4bb570e85d2e46d239d9972e40b723bc387b0cbbc45d10d85e56fcc714092cb2
 
 """MaxSim training (unified backward) for maxsim_dense_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -97,6 +98,7 @@ def maxsim_dense_triton_unified_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
     QUERY_GROUP: tl.constexpr,
@@ -230,6 +232,8 @@ def maxsim_dense_triton_unified_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, doc)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -392,7 +396,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, Nd], winning doc tokens into argmax [Nq, Nd, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -442,6 +446,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         QUERY_GROUP=config.query_group,
         EVEN_LD=Ld % config.block_l == 0,

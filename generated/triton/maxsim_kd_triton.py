@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5e5196825dcd792172ecbe3ed5a3050d54684f6bc79d4fd1c313b9f4a3c1ba5f
+# body-sha256: 0df91cad2210b905f24df7e3efebefc239b1011f2b1f5a835a0e3684700debd1
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -95,6 +96,7 @@ def maxsim_kd_triton_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -148,6 +150,8 @@ def maxsim_kd_triton_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query * K + doc)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -171,7 +175,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, K]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -218,6 +222,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

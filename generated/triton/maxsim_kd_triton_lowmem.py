@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 566a4bf789ac30985b74af9f3462e5dfcee072625acb20568f99298692060063
+# body-sha256: 25bf5dfca7d7867914d25b699cb894bab85603f24fc6d3720eac986c5e9870d8
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -99,6 +100,7 @@ def maxsim_kd_triton_lowmem_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -153,6 +155,8 @@ def maxsim_kd_triton_lowmem_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query * K + doc)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -358,7 +362,7 @@ def lowmem_d_grid(K, Nq, Ld, BLOCK_L):
     return (K * Nq * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -410,6 +414,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: ab4d8afb0ee926309a2cfddafaf8354091dc3bbeac43c9aab91ec66925f2f35a
+# body-sha256: 8b90ee2b6dfca2e90dae6e98a5c59c75d59f51b3e450830dcb33a637436f2d15
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -99,6 +100,7 @@ def maxsim_kd_triton_unified_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -153,6 +155,8 @@ def maxsim_kd_triton_unified_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query * K + doc)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -309,7 +313,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [Nq, K], winning doc tokens into argmax [Nq, K, Lq]."""
     Nq = Q.shape[0]
     Lq = Q.shape[1]
@@ -361,6 +365,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: a2c6840a642dca15b38e0d47554f66b0f96d1469768859c0cbafd77cd8cf701f
+# body-sha256: 9d24cb7c106e88c8478029a4107f789512d07a00f246352f2262e149f6b6dbca
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -91,6 +92,7 @@ def maxsim_pairs_triton_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -143,6 +145,8 @@ def maxsim_pairs_triton_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, query, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -166,7 +170,7 @@ def smem_bytes(BLOCK_Q, BLOCK_L, BLOCK_K, num_stages, operand_bytes):
     return BLOCK_K * operand_bytes * (BLOCK_L * num_stages + BLOCK_Q)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normalize, config):
     """Scores into out [B]."""
     B = Q.shape[0]
     Lq = Q.shape[1]
@@ -208,6 +212,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

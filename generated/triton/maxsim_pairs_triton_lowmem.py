@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: effea7854f86f340919f096c9fd0c7f600041aa0932e9b21c3cd11ac542424f0
+# body-sha256: 947b1e523f1039ccb4bd1869924dc17d6d030dee2e74c64d91685f5b2e447595
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -94,6 +95,7 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -147,6 +149,8 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, query, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -330,7 +334,7 @@ def lowmem_d_grid(B, Ld, BLOCK_L):
     return (B * cdiv(Ld, BLOCK_L),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [B], winning doc tokens into argmax [B, Lq]."""
     B = Q.shape[0]
     Lq = Q.shape[1]
@@ -376,6 +380,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

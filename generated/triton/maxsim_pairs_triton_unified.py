@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4e75031eb261cea0672b4fb8f0adbc17e78858ed2e1309e7541f9e7942ad53bc
+# body-sha256: a10ca954efe47fb6c52616494d5420f298fac6f9b524d4325bd6f6835beb4e87
 
 """MaxSim training (unified backward) for maxsim_pairs_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -17,6 +17,7 @@ from lik.runtime.kernel_lib import (
     dot_config,
     fold_column_argmax,
     inv_l2_norm,
+    masked_as_zero,
     max_keep_nan,
     normalize_backward,
     one_hot_dot,
@@ -94,6 +95,7 @@ def maxsim_pairs_triton_unified_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     HAS_Q_MASK: tl.constexpr,
     HAS_D_MASK: tl.constexpr,
+    MASKED_AS_ZERO: tl.constexpr,
     NORMALIZE: tl.constexpr,
     EVEN_LD: tl.constexpr,
 ):
@@ -147,6 +149,8 @@ def maxsim_pairs_triton_unified_fwd_kernel(
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query)
+        if MASKED_AS_ZERO:
+            scored = masked_as_zero(scored, best, d_tokens, query, d_len)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:
@@ -297,7 +301,7 @@ def normalize_grid(n_rows, BLOCK_R):
     return (cdiv(n_rows, BLOCK_R),)
 
 
-def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
+def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False, normalize, config):
     """Scores into out [B], winning doc tokens into argmax [B, Lq]."""
     B = Q.shape[0]
     Lq = Q.shape[1]
@@ -343,6 +347,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, normalize, config):
         num_stages=config.num_stages,
         HAS_Q_MASK=q_mask is not None,
         HAS_D_MASK=d_mask is not None,
+        MASKED_AS_ZERO=masked_as_zero,
         NORMALIZE=normalize,
         EVEN_LD=Ld % config.block_l == 0,
     )

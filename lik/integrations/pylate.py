@@ -14,14 +14,22 @@ or real weights):
     score[i, j] = sum_s max_t  q_mask[i, s] * d_mask[j, t] * <Q[i, s], D[j, t]>
                 = lik.maxsim(Q * q_mask, D * d_mask)          (no lik masks)
 
-since <m Q_s, n D_t> = m n <Q_s, D_t>. With 0/1 masks that is, in lik's mask terms,
+since <m Q_s, n D_t> = m n <Q_s, D_t>. With bool masks that is, in lik's mask terms,
 sum over valid s of max(0 if doc j has a masked token else -inf, max over valid t of
-<Q_s, D_t>): a doc with padding never scores a query token below 0. The zeroed copies
-carry gradients like PyLate's products do: nothing flows to masked tokens, and a query
-token won by a masked doc token gets none. The kd layout (D [Nq, K, Ld, d], d_mask
-[Nq, K, Ld]) is the same formula per candidate; colbert_scores_pairwise has no masks and
-is lik.maxsim_pairs(Q, D). Scores come back in the dtype PyLate would return (the
-embeddings' dtype promoted with the masks').
+<Q_s, D_t>): a doc with padding never scores a query token below 0. Bool masks (what
+PyLate's losses pass) go to lik as they are, with no copy of Q or D: the query mask as
+lik's own (a masked query token adds 0 in both conventions), the doc mask read as zeros
+(`lik.runtime.api.maxsim_masked_as_zero`, the masked-as-zero kernel variants). Gradients
+follow PyLate's products: nothing flows to masked tokens, and a query token whose max a
+masked doc token's 0 wins gets none (a tie at 0 keeps the valid token, up to which exact
+ties PyLate's max breaks otherwise). Masks of another dtype (0/1 floats or integers, or
+real weights) multiply the tokens instead, through zeroed copies, as does any call where
+lik has no masked-as-zero kernel. One difference: padding is inert in lik (a masked
+token holding NaN or inf scores as a zero token would), where PyLate's product with a 0
+keeps a NaN. The kd layout (D [Nq, K, Ld, d], d_mask [Nq, K, Ld]) is the same formula
+per candidate; colbert_scores_pairwise has no masks and is lik.maxsim_pairs(Q, D).
+Scores come back in the dtype PyLate would return (the embeddings' dtype promoted with
+the masks').
 
 lik takes a call only when PyLate's backend choice is its default, "auto" (the `backend`
 argument, else PYLATE_SCORES_BACKEND); an explicit "torch", "flash" or "lik" (which in
@@ -41,6 +49,7 @@ import torch
 
 from lik import runtime
 from lik.integrations import Integration, call_lik, lik_accepts, mask_fits
+from lik.runtime import api as runtime_api
 
 _COLBERT = "pylate.scores.colbert"
 _INTEGRATION = Integration("pylate", package="pylate", extra="pylate")
@@ -78,11 +87,20 @@ def _fits(Q, D, queries_mask, documents_mask, doc_rank: int) -> bool:
     )
 
 
+def _is_bool(mask: torch.Tensor | None) -> bool:
+    return mask is not None and mask.dtype == torch.bool
+
+
 def _masked_scores(Q, D, queries_mask, documents_mask) -> torch.Tensor | None:
-    """sum_s max_t qm_s dm_t <Q_s, D_t> through lik (D [Nd, Ld, d] or [Nq, K, Ld, d])."""
-    scores = call_lik(
-        runtime.maxsim, _zero_masked(Q, queries_mask), _zero_masked(D, documents_mask)
-    )
+    """sum_s max_t qm_s dm_t <Q_s, D_t> through lik (D [Nd, Ld, d] or [Nq, K, Ld, d]):
+    bool masks as they are (the doc mask read as zeros), others through zeroed copies."""
+    q_tokens, q_mask = (Q, queries_mask) if _is_bool(queries_mask) else (
+        _zero_masked(Q, queries_mask), None)  # fmt: skip
+    scores = None
+    if _is_bool(documents_mask):
+        scores = call_lik(runtime_api.maxsim_masked_as_zero, q_tokens, D, q_mask, documents_mask)
+    if scores is None:  # no bool doc mask, or no masked-as-zero kernel here: the copies
+        scores = call_lik(runtime.maxsim, q_tokens, _zero_masked(D, documents_mask), q_mask)
     if scores is None:
         return None
     return scores.to(_result_dtype(Q, queries_mask, documents_mask))

@@ -32,11 +32,12 @@ def _count_twins() -> None:
 
 def _count_lik() -> None:
     from lik import runtime
-    from lik.runtime import variants
+    from lik.runtime import api, variants
 
     for module, name in ((runtime, "maxsim"), (runtime, "maxsim_pairs"),
                          (runtime, "maxsim_varlen"), (runtime, "score_pairs_packed"),
-                         (variants, "maxsim_smooth"), (variants, "maxsim_weighted")):  # fmt: skip
+                         (variants, "maxsim_smooth"), (variants, "maxsim_weighted"),
+                         (api, "maxsim_masked_as_zero")):  # fmt: skip
         real = getattr(module, name)
 
         def counted(*args, _real=real, **kwargs):
