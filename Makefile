@@ -113,10 +113,15 @@ bench:
 
 # Random public calls against the float64 reference on this GPU, SOAK_WORKERS processes
 # for SOAK_SECONDS each (compiling dominates); writes benchmarks/results/soak/<card>.*.
+# Then the suite's seeded fuzz (tests/test_fuzz.py: garbage in padding, non-finite valid
+# values) on the GPU, SOAK_FUZZ_SCALE times its CI draws; it prints its case counts.
 SOAK_SECONDS ?= 600
 SOAK_WORKERS ?= 8
+SOAK_FUZZ_SCALE ?= 10
 soak:
 	python3 benchmarks/soak.py --seconds $(SOAK_SECONDS) --workers $(SOAK_WORKERS)
+	LIK_FUZZ_CASES=$(SOAK_FUZZ_SCALE) python3 -P -m pytest -q -s -p no:cacheprovider -m gpu \
+		tests/test_fuzz.py -k cuda_path
 
 # Sweeps launch configs for the benchmark shapes on this GPU and rewrites the committed
 # table runtime/tuning/<family>.toml, or with TUNE_ARGS="--card --shapes ..." this card's
