@@ -23,12 +23,13 @@ import pytest
 import torch
 
 from lik import runtime
-from lik.runtime import dispatch, norm_warning, variants
+from lik.runtime import api, dispatch, norm_warning, variants
 
 LIK, ORIGINAL = "lik", "original"
 ENTRY_POINTS = (
     (runtime, "maxsim"), (runtime, "maxsim_pairs"), (runtime, "maxsim_varlen"),
     (runtime, "score_pairs_packed"), (variants, "maxsim_smooth"), (variants, "maxsim_weighted"),
+    (api, "maxsim_masked_as_zero"),  # PyLate's bool doc masks, read as zeros
 )  # fmt: skip
 
 
