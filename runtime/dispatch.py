@@ -7,6 +7,7 @@ to lik.runtime.metal; other devices run the reference.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-from lik.runtime import autotune, metal, registry, validate
+from lik.runtime import autotune, launch_plan, metal, registry, validate
 from lik.runtime.keys import (
     LQ_CHUNK,
     MIN_BLOCK,
@@ -30,6 +31,7 @@ from lik.runtime.keys import (
     size_class,
     variant_name,
 )
+from lik.runtime.launch_cache import _current_device, hooks_set, launches_every_kernel_cached
 from lik.runtime.tuning import (
     BACKWARD_WARPS,
     DEFAULT_SMEM_LIMIT,
@@ -43,6 +45,7 @@ from lik.runtime.tuning import (
     stacked_queries,
     tile_warps,
 )
+from lik.runtime.workspace import raw_stream
 
 # Looked up once at import (not per call), so torch.compile sees a plain constant.
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
@@ -477,13 +480,30 @@ def _launch(launch, config, *args, **kwargs):
     exact: fp32 tf32x3 dots need more) is shrunk step by step, and the one that fitted is
     launched directly next time (per-call derived configs included). What fits is per
     launcher: a backward that had to shrink must not shrink the forward of the same config
-    (a different tile would change its rounding, and lowmem training is bitwise repeatable)."""
+    (a different tile would change its rounding, and lowmem training is bitwise repeatable).
+    Each CUDA signature's first launch is recorded as a launch plan, which its later calls
+    replay (lik.runtime.launch_plan). Returns (the launcher's result, the config it ran)."""
     requested = config
     if _fitted:
         config = _fitted.get((launch, requested), requested)
+    key, tensors = launch_plan.signature(launch, config, args, kwargs)
+    if key is not None:
+        planned = launch_plan.lookup(key)
+        if planned is not launch_plan.NOT_PLANNED:
+            plan, ran = planned
+            if plan is not None and not hooks_set():
+                device = key[-1]
+                if device == _current_device():
+                    return plan.replay(tensors, raw_stream(device)), ran
+            key = None  # recorded already: launch as the launcher does
+        elif not launches_every_kernel_cached(launch):
+            launch_plan.remember(key, (None, config))
+            key = None
     while True:
+        log = launch_plan.Recording(tensors) if key is not None else contextlib.nullcontext()
         try:
-            result = launch(*args, config=config, **kwargs)
+            with log:
+                result = launch(*args, config=config, **kwargs)
         except Exception as error:
             if type(error).__name__ != "OutOfResources":
                 raise
@@ -493,6 +513,8 @@ def _launch(launch, config, *args, **kwargs):
             continue
         if config is not requested:
             _fitted[(launch, requested)] = config
+        if key is not None:
+            launch_plan.remember(key, (log.plan(result), config))
         return result, config
 
 

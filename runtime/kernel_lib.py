@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from lik.runtime.launch_plan import recorded
+
 
 @triton.jit
 def max_keep_nan(a, b):
@@ -47,6 +49,7 @@ def token_valid(mask, base, offs, stride, length):
     return tl.load(mask + base + offs * stride, mask=offs < length, other=0) != 0
 
 
+@recorded
 def valid_tokens(d_mask: torch.Tensor | None) -> torch.Tensor | None:
     """Each doc's count of valid tokens, int32, contiguous, d_mask's shape without its token
     axis; counted once per launch (one small reduction) for doc_has_token."""

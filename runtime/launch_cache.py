@@ -21,6 +21,12 @@ kernel's global constants have not changed (generated kernels read none that cha
 and its reading of the debug and instrumentation settings (a change to them within a
 process reaches kernels not launched before it).
 
+Each launch on the fast path is also logged to the thread's launch-plan recording, if
+one is open (lik.runtime.launch_plan): later calls of the same launcher signature then
+replay it without running the launcher's Python or this dispatch. A launch off the fast
+path (a launch hook, an unkeyable call, another GPU than the current one, the
+interpreter) marks the recording as one that must not be replayed.
+
 Under the interpreter (TRITON_INTERPRET=1) every launch of a generated kernel holds one
 process-wide lock, INTERPRETER_LOCK: the interpreter is not thread-safe (a launch patches
 triton.language and keeps the program id in module state for its duration, so two
@@ -31,11 +37,14 @@ kernel at a time and give the results they give alone. Compiled launches take no
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 import threading
 
 import torch
 
+from lik.runtime import launch_plan
 from lik.runtime.workspace import raw_stream as _raw_stream
 
 try:
@@ -70,7 +79,9 @@ def _supported(version: str) -> bool:
 _UNKEYABLE = object()  # an argument the key cannot describe
 _MISSING = object()
 _Tensor = torch.Tensor
-_current_device = torch.cuda.current_device
+# The current device's index without torch.cuda's lazy-init check (kernels launch only
+# once CUDA is up).
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _hooked(hook) -> bool:
@@ -120,14 +131,72 @@ def _other_specialization(arg):
     return _UNKEYABLE
 
 
+def hooks_set() -> bool:
+    """Whether a Triton launch hook (a profiler's) is set: launches must then go through
+    Triton, which calls it."""
+    runtime = knobs.runtime
+    return _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)
+
+
+# Each generated module's entry kernels (module name -> kernel names), as cached_launch
+# saw them, and the modules where it left one unwrapped.
+_entry_kernels: dict[str, set[str]] = {}
+_unwrapped_modules: set[str] = set()
+
+
+def launches_every_kernel_cached(launcher) -> bool:
+    """Whether every entry kernel of a generated launcher's module is a CachedLaunch, so
+    that a launch plan's recording sees each of its launches: an unwrapped kernel (a
+    Triton outside SUPPORTED_TRITON, a kernel swapped for its JIT function) launches
+    unseen."""
+    while isinstance(launcher, functools.partial):
+        launcher = launcher.func
+    name = getattr(launcher, "__module__", "")
+    module = sys.modules.get(name)
+    kernels = _entry_kernels.get(name)
+    if module is None or not kernels or name in _unwrapped_modules:
+        return False
+    return all(isinstance(getattr(module, kernel, None), CachedLaunch) for kernel in kernels)
+
+
+class CompiledLaunch:
+    """One compiled kernel's launch: `(grid, stream, args)` with grid a 3-tuple and args
+    every bound argument, through Triton's compiled launcher. On Triton 3.6, whose
+    launcher object only adds scratch buffers before calling its C launch, a kernel that
+    needs no scratch is launched by that C function directly (3 us less per launch on an
+    H200 host); elsewhere through the launcher object."""
+
+    __slots__ = ("launch", "function", "prefix")
+
+    def __init__(self, compiled):
+        launcher = compiled.run
+        self.function = compiled.function
+        direct = (
+            hasattr(launcher, "launch")
+            and not hasattr(launcher, "kernel_signature")  # 3.9's C launch takes other arguments
+            and getattr(launcher, "global_scratch_size", 1) == 0
+            and getattr(launcher, "profile_scratch_size", 1) == 0
+        )
+        if direct:
+            self.launch = launcher.launch
+            self.prefix = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                           compiled.packed_metadata, None, None, None)  # fmt: skip
+        else:
+            self.launch = launcher
+            self.prefix = (compiled.packed_metadata, None, None, None)
+
+    def __call__(self, grid: tuple, stream: int, args) -> None:
+        self.launch(grid[0], grid[1], grid[2], stream, self.function, *self.prefix, *args)
+
+
 class CachedLaunch:
     """A JIT function whose `[grid](*args, **meta)` reuses its compiled kernels (see the
     module docstring). Other attributes are the JIT function's."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        # (device, argument specializations, meta) -> (compiled kernel, names of the
-        # parameters that meta supplies, in signature order), or None: not cacheable.
+        # (device, argument specializations, meta) -> (compiled kernel, its launch, names
+        # of the parameters that meta supplies, in signature order), or None: not cacheable.
         self._compiled: dict[tuple, tuple | None] = {}
 
     def __getattr__(self, name):
@@ -143,28 +212,43 @@ class CachedLaunch:
             # Inputs on another GPU than the current one (a process that never called
             # set_device): launch with their device current, so the stream is their
             # device's current stream, the one PyTorch's own ops on them use.
+            launch_plan.refuse()  # a replay would launch without switching
             with torch.cuda.device(first.device):
                 return self._launch(grid, args, meta)
-        runtime = knobs.runtime
-        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+        if hooks_set():
+            launch_plan.refuse()
             return self.kernel.run(*args, grid=grid, warmup=False, **meta)
         specs = _specializations(args)
         key = (device, specs, tuple(meta.items()))
         entry = self._compiled.get(key, _MISSING)
         if entry is _MISSING:
             compiled = self.kernel.run(*args, grid=grid, warmup=False, **meta)
-            self._compiled[key] = self._entry(compiled, grid, args, meta, specs)
+            entry = self._compiled[key] = self._entry(compiled, grid, args, meta, specs)
+            if entry is None:
+                launch_plan.refuse()
+            else:
+                self._record(entry, grid, args, meta)
             return compiled
         if entry is None:
+            launch_plan.refuse()
             return self.kernel.run(*args, grid=grid, warmup=False, **meta)
-        compiled, meta_params = entry
-        compiled.run(
-            grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            _raw_stream(device), compiled.function,
-            compiled.packed_metadata, None, None, None,
-            *args, *[meta[name] for name in meta_params],
-        )  # fmt: skip
+        compiled, launch, meta_params = entry
+        grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        bound = (*args, *[meta[name] for name in meta_params])
+        launch(grid, _raw_stream(device), bound)
+        log = launch_plan.recording()
+        if log is not None:
+            log.launch(launch, grid, bound)
         return compiled
+
+    @staticmethod
+    def _record(entry, grid, args, meta) -> None:
+        """Logs a launch that Triton served (a first one) to this thread's recording."""
+        log = launch_plan.recording()
+        if log is not None:
+            _, launch, meta_params = entry
+            grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+            log.launch(launch, grid, (*args, *[meta[name] for name in meta_params]))
 
     def _entry(self, compiled, grid, args, meta, specs):
         """The cache entry for a launch Triton just served: None where the fast path
@@ -179,7 +263,7 @@ class CachedLaunch:
             and not any(p.is_constexpr for p in kernel.params[: len(args)])  # keyed by value
             and all(name in meta for name in meta_params)
         )
-        return (compiled, meta_params) if keyable else None
+        return (compiled, CompiledLaunch(compiled), meta_params) if keyable else None
 
 
 # Held by every interpreted launch of a generated kernel (see the module docstring).
@@ -201,6 +285,7 @@ class SerializedInterpretedLaunch:
         return lambda *args, **meta: self.run(*args, grid=grid, warmup=False, **meta)
 
     def run(self, *args, **kwargs):
+        launch_plan.refuse()
         with INTERPRETER_LOCK:
             return self.kernel.run(*args, **kwargs)
 
@@ -209,10 +294,17 @@ def cached_launch(kernel):
     """Wraps a compiled-mode Triton JIT function; an interpreted one gets the interpreter
     lock instead; anything else (no Triton, a Triton outside SUPPORTED_TRITON) is returned
     as it is."""
+    fn = getattr(kernel, "fn", None)
+    module = getattr(fn, "__module__", None)
+    if module is not None:
+        _entry_kernels.setdefault(module, set()).add(fn.__name__)
     if InterpretedFunction is not None and isinstance(kernel, InterpretedFunction):
         return SerializedInterpretedLaunch(kernel)
-    if JITFunction is None or not isinstance(kernel, JITFunction):
-        return kernel
-    if not _supported(triton.__version__):
+    if (
+        JITFunction is None
+        or not isinstance(kernel, JITFunction)
+        or not _supported(triton.__version__)
+    ):
+        _unwrapped_modules.add(module)
         return kernel
     return CachedLaunch(kernel)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from lik.runtime.launch_plan import recorded
+
 # (device, stream) -> int32 counters, all 0 between launches. Grown, never shrunk.
 _counters: dict[tuple, torch.Tensor] = {}
 # The current stream of a device index as a raw handle (an int), without building a
@@ -34,6 +36,13 @@ def stream_key(device: torch.device) -> tuple | None:
     return (device, raw_stream(index))
 
 
+# What generated launchers allocate goes through these, so that a launch plan
+# (lik.runtime.launch_plan) allocates it again on each replay.
+empty = recorded(torch.empty)
+zeros = recorded(torch.zeros)
+
+
+@recorded
 def zeroed_counters(count: int, device: torch.device) -> torch.Tensor:
     """int32 counters [>= count], all 0, for a launch on the current stream that leaves
     every counter it touches at 0 again (made afresh inside a capture: the graph then

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import INTERPRETER_FP32_TOLERANCE, relative_error
 
-from lik.runtime import dispatch, launch_cache, maxsim
+from lik.runtime import dispatch, launch_cache, launch_plan, maxsim
 from lik.runtime.launch_cache import CachedLaunch, cached_launch
 from lik.runtime.reference import maxsim_reference
 
@@ -152,13 +152,17 @@ def test_attributes_are_the_jit_functions_and_other_functions_stay_unwrapped():
 
 @contextlib.contextmanager
 def tritons_path(module, name):
-    """Module attribute `name`, a cached launch, replaced by its JIT function meanwhile."""
+    """Module attribute `name`, a cached launch, replaced by its JIT function meanwhile
+    (launch plans recorded before or meanwhile forgotten: they would launch the cached
+    kernel, or, recorded meanwhile, are refused)."""
     kernel = getattr(module, name)
+    launch_plan.clear()
     setattr(module, name, kernel.kernel)
     try:
         yield
     finally:
         setattr(module, name, kernel)
+        launch_plan.clear()
 
 
 @pytest.mark.gpu
@@ -175,10 +179,12 @@ def test_generated_kernel_scores_the_same_through_the_cache_and_through_triton()
     Q = torch.randn(3, 11, 64, generator=g, device="cuda", dtype=torch.bfloat16)
     for offset in (0, 1, 0, 1):  # bf16 offset 1: a 2-byte-aligned doc pointer
         D = storage[offset : offset + 7 * 37 * 64].view(7, 37, 64)
-        cached = maxsim(Q, D)
+        cached = maxsim(Q, D)  # the launcher's path, recording a launch plan
+        replayed = maxsim(Q, D)  # its plan
         with tritons_path(module, "maxsim_dense_triton_fwd_kernel"):
             direct = maxsim(Q, D)
         assert torch.equal(cached, direct)
+        assert torch.equal(replayed, direct)
     assert len(kernel._compiled) >= 2
 
 

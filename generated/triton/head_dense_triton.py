@@ -2,7 +2,7 @@
 # kernel: head_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "head", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/head_launch.py.j2, glue/macros.py.j2, triton/head.py.j2, triton/partials/head_kernel.py.j2
-# body-sha256: 956337c9fd231b89db770dc56f6ee96f563db0a923f40b6f3763dbb0cce57b9b
+# body-sha256: 21ef7b98bfca1545ba450203a9c802d78624b11bb97f104c9a4023f4bdbe0a7b
 
 """Projection head + MaxSim forward for head_dense_triton: Q [Nq, Lq, d] against hidden states H [Nd, Ld, d_model] projected by W [d, d_model] -> [Nq, Nd] fp32."""
 
@@ -19,6 +19,7 @@ from lik.runtime.kernel_lib import (
     row_max_index,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 try:  # host-side TMA descriptors (Hopper and later); without them H is read by pointer
@@ -384,10 +385,10 @@ def launch(out, Q, H, W, *, b=None, d_mask=None, argmax=None, normalize, config)
         partial_blocks(Ld, config),
         scratch_columns(Nq, Lq, config.query_group, config.block_q),
     )
-    partial = torch.empty(shape, dtype=torch.float32, device=out.device)
+    partial = workspace.empty(shape, dtype=torch.float32, device=out.device)
     partial_index = None
     if argmax is not None:
-        partial_index = torch.empty(shape, dtype=torch.int32, device=out.device)
+        partial_index = workspace.empty(shape, dtype=torch.int32, device=out.device)
     even_m = d_model % config.block_m == 0
     h_operand, h_tma = _tma_operand(H, config)
     grid = (flat_forward_grid if flat else forward_grid)(Nd, Ld, config.block_l)

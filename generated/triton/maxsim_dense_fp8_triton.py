@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": true, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 478a1e2ae5c0dcea75e21e00306c8a935d090de30f649997b9fc4915a1d0e798
+# body-sha256: 3c7fdef1c3450abcfcba7a1f3c2bca60ad97c1ce0dc1799713837aaa4cbfe137
 
 """MaxSim forward for maxsim_dense_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c1ba10fe46f6942819829faa62a7e2fc577af03643b8707840d95a72b9d8fc54
+# body-sha256: f9388893a729337d47fee7078c5490c3d80200301ac83db5a3036cea0611790d
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -31,8 +31,8 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
-from lik.runtime.workspace import zeroed_counters
 
 LAYOUT = "dense"
 BACKWARD = "none"
@@ -413,12 +413,12 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normali
     partial = arrivals = out
     if splits > 1:
         pairs = cdiv(Nq, config.query_group) * Nd
-        partial = torch.empty(
+        partial = workspace.empty(
             pairs * splits * config.query_group * config.block_q,
             dtype=torch.float32,
             device=out.device,
         )
-        arrivals = zeroed_counters(pairs, out.device)
+        arrivals = workspace.zeroed_counters(pairs, out.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     q_mask_strides = NO_STRIDES if q_mask is None else q_mask.stride()

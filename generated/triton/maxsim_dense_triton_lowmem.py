@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: e83b0483ee46dfd55130be2e3795fd7df082a39449d9905856880f42361db808
+# body-sha256: c40220ee6a2e050bb4fe7cb287e3b23c274091a51afc5eb206b83f2e6547a8b2
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -31,6 +31,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"
@@ -607,15 +608,15 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
     dim = Q.shape[2]
     Nd = D.shape[0]
     Ld = D.shape[1]
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     # grad_D first, so its winner lists (as many slots as the argmax) are freed before
     # grad_Q's output exists: the peak stays at the argmax plus both gradients.
     tiles = lowmem_d_grid(Nd, Ld, config.block_l)[0]
     slot_dtype = torch.int16 if Nq * Lq < 2**15 else torch.int32
-    route = torch.empty((Nd, Nq * Lq), dtype=slot_dtype, device=Q.device)
-    route_start = torch.empty(tiles, dtype=torch.int32, device=Q.device)
-    route_count = torch.empty(tiles, dtype=torch.int32, device=Q.device)
+    route = workspace.empty((Nd, Nq * Lq), dtype=slot_dtype, device=Q.device)
+    route_start = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
+    route_count = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
     argmax_strides = argmax.stride()
     maxsim_dense_triton_lowmem_route_kernel[(tiles,)](
         argmax,
@@ -679,7 +680,7 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
     )
 
     del route, route_start, route_count
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     grad_out_strides = grad_out.stride()

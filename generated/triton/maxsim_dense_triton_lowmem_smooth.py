@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: d676a4b2646f394d10d0994c796fbf20bf0b2ed3fd6395d04ef886a81b5c7eac
+# body-sha256: 26b25ee55692500a51db4c32d7a068d4016a1b36625cd20dbede286251a23073
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"
@@ -548,8 +549,8 @@ def backward(grad_out, saved, Q, D, q_mask=None, d_mask=None, *, tau, normalize,
     dim = Q.shape[2]
     Nd = D.shape[0]
     Ld = D.shape[1]
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 705ec9196e8892cb767a084b4d8aaae3d07225c2948552b773b1f8b626ff847f
+# body-sha256: 960fb9ce4226a0fc3ab8be205ea608d7668b276fcd89dd60138646ce52805b03
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"
@@ -591,8 +592,8 @@ def backward(
     dim = Q.shape[2]
     Nd = D.shape[0]
     Ld = D.shape[1]
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 8706f984e0c17a4257e64939fb60af374af5c261061c213b66fb64f78e5caef4
+# body-sha256: 2d539c3822eb7a9b406844e5979211cf9cb1dec106bd1b1f881073a10a3d0612
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"
@@ -576,9 +577,9 @@ def backward(grad_out, saved, Q, D, W, q_mask=None, d_mask=None, *, normalize, c
     dim = Q.shape[2]
     Nd = D.shape[0]
     Ld = D.shape[1]
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
-    GW = torch.empty(W.shape, dtype=W.dtype, device=W.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
+    GW = workspace.empty(W.shape, dtype=W.dtype, device=W.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()

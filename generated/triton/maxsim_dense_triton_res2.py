@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: e0610a4a10e688e2c5824ad149660d37dd44d379a7770255e79880dbffb8e988
+# body-sha256: 3f0fff1d9629656f77df165e3902f6d8593c4a151fb1537fde3b5ec53178e096
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,8 +30,8 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
-from lik.runtime.workspace import zeroed_counters
 
 LAYOUT = "dense"
 BACKWARD = "none"
@@ -577,12 +577,12 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
     partial = arrivals = out
     if splits > 1:
         pairs = cdiv(Nq, config.query_group) * Nd
-        partial = torch.empty(
+        partial = workspace.empty(
             pairs * splits * config.query_group * config.block_q,
             dtype=torch.float32,
             device=out.device,
         )
-        arrivals = zeroed_counters(pairs, out.device)
+        arrivals = workspace.zeroed_counters(pairs, out.device)
     Q_strides = Q.stride()
     codes_strides = codes.stride()
     residuals_strides = residuals.stride()

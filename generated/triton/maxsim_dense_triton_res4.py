@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4cccaf2de48e375545d918d6e946fd0fa6803156e8e637b5d7dfa6c60387a3b4
+# body-sha256: af0fd913014e750559013d36b43889999ab53711ddb80b508035d68c305fced4
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,8 +30,8 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
-from lik.runtime.workspace import zeroed_counters
 
 LAYOUT = "dense"
 BACKWARD = "none"
@@ -554,12 +554,12 @@ def launch(out, Q, codes, residuals, centroids, bucket_weights, doc_lengths, *, 
     partial = arrivals = out
     if splits > 1:
         pairs = cdiv(Nq, config.query_group) * Nd
-        partial = torch.empty(
+        partial = workspace.empty(
             pairs * splits * config.query_group * config.block_q,
             dtype=torch.float32,
             device=out.device,
         )
-        arrivals = zeroed_counters(pairs, out.device)
+        arrivals = workspace.zeroed_counters(pairs, out.device)
     Q_strides = Q.stride()
     codes_strides = codes.stride()
     residuals_strides = residuals.stride()

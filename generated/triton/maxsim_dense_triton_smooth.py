@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 910d2ce72e7d2ebe9ccce0cb9320e5191e4cc1e4ae364f6c4387bf12790b0118
+# body-sha256: af0eac09224f0421f0387b6673598e5d4b091a3e577ec86aae3791ad8348d907
 
 """MaxSim forward for maxsim_dense_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e0d2975de4ebcecd8cfaa8aa4c8d947edc62e830dd890b73f9894ecc6d8854c9
+# body-sha256: 95d06ffde573833bcfad2622c710dcf0e020770cebc3b80e6bf42969e5052144
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "dense"

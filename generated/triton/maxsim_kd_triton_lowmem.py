@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 25bf5dfca7d7867914d25b699cb894bab85603f24fc6d3720eac986c5e9870d8
+# body-sha256: 00e97b91983d91a4fd432f19003ac3d9f3cc203081bd6fdd09dad47599ce543a
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -31,6 +31,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "kd"
@@ -441,7 +442,7 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
     dim = Q.shape[2]
     K = D.shape[1]
     Ld = D.shape[2]
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()
@@ -484,7 +485,7 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
         num_stages=config.num_stages,
     )
 
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     grad_out_strides = grad_out.stride()

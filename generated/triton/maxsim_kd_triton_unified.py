@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8b90ee2b6dfca2e90dae6e98a5c59c75d59f51b3e450830dcb33a637436f2d15
+# body-sha256: 5c1871d9990e37a87632017216d8ca51972c20a1e61b2ffa946457de239c60c1
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -31,6 +31,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "kd"
@@ -381,8 +382,8 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
     dim = Q.shape[2]
     K = D.shape[1]
     Ld = D.shape[2]
-    GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
-    GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    GQ = workspace.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+    GD = workspace.zeros(D.shape, dtype=torch.float32, device=D.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     grad_out_strides = grad_out.stride()
@@ -437,7 +438,7 @@ def _finish(G, X, normalize, config):
     if X2.stride(1) != 1:  # the Jacobian pass reads unit-stride rows: a strided head dim is copied
         X2 = X2.contiguous()
     G2 = G.view(-1, G.shape[-1])
-    out = torch.empty(X2.shape, dtype=X.dtype, device=X.device)
+    out = workspace.empty(X2.shape, dtype=X.dtype, device=X.device)
     n_rows, dim = X2.shape
     if n_rows:
         maxsim_kd_triton_unified_normalize_bwd_kernel[normalize_grid(n_rows, config.block_l)](

@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c8693f9d9e0e17051f81a4c290ac6814d90d362af8a63bdeff64f65524477293
+# body-sha256: 29b9942613de7142e9a51d58ccd9aafe14657325a1ca797851498b3c1d1b829b
 
 """MaxSim forward for maxsim_packedpairs_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "packed_pairs"

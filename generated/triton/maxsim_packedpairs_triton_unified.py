@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2e40fc4d9b1a83f1df08b2845de6cb93454bf81476b7ff967ed9d65c8115bf5a
+# body-sha256: f40b10babda4bb472d970dab76957d691f1c7f2a665b10b320bfde6937ea44c0
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "packed_pairs"
@@ -396,8 +397,8 @@ def backward(
     dim = Q.shape[1]
     total_q = Q.shape[0]
     total_d = D.shape[0]
-    GQ = torch.zeros(Q.shape, dtype=torch.float32, device=Q.device)
-    GD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    GQ = workspace.zeros(Q.shape, dtype=torch.float32, device=Q.device)
+    GD = workspace.zeros(D.shape, dtype=torch.float32, device=D.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     grad_out_strides = grad_out.stride()
@@ -448,7 +449,7 @@ def _finish(G, X, normalize, config):
     if X2.stride(1) != 1:  # the Jacobian pass reads unit-stride rows: a strided head dim is copied
         X2 = X2.contiguous()
     G2 = G.view(-1, G.shape[-1])
-    out = torch.empty(X2.shape, dtype=X.dtype, device=X.device)
+    out = workspace.empty(X2.shape, dtype=X.dtype, device=X.device)
     n_rows, dim = X2.shape
     if n_rows:
         maxsim_packedpairs_triton_unified_normalize_bwd_kernel[

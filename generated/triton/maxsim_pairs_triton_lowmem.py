@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 947b1e523f1039ccb4bd1869924dc17d6d030dee2e74c64d91685f5b2e447595
+# body-sha256: fcbabbe5aeaaa2ec1d9c27392f0a2bd3d7f2c8fcb48d847e1cbd91a6b42f326f
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -31,6 +31,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "pairs"
@@ -406,7 +407,7 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
     Lq = Q.shape[1]
     dim = Q.shape[2]
     Ld = D.shape[1]
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()
@@ -444,7 +445,7 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
         num_stages=config.num_stages,
     )
 
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     grad_out_strides = grad_out.stride()

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 5495d7064de193658a03be816df861565531fdacf9f5d3032357628a1562f981
+# body-sha256: 9760ac33e8af43dd0a100ff73461fec40fb41001ef61f82863148ea9d46f734f
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "pairs"
@@ -519,8 +520,8 @@ def backward(grad_out, saved, Q, D, q_mask=None, d_mask=None, *, tau, normalize,
     Lq = Q.shape[1]
     dim = Q.shape[2]
     Ld = D.shape[1]
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 35fc157429bdbd967dbb996cd05742d029c80aff4b3749e484119562c7d19c3e
+# body-sha256: e3b1f16111b46bec56d43b36b2740c77fb5129518043fad9b083ccdd4994b1fa
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "pairs"
@@ -543,9 +544,9 @@ def backward(grad_out, saved, Q, D, W, q_mask=None, d_mask=None, *, normalize, c
     Lq = Q.shape[1]
     dim = Q.shape[2]
     Ld = D.shape[1]
-    GQ = torch.empty(Q.shape, dtype=Q.dtype, device=Q.device)
-    GD = torch.empty(D.shape, dtype=D.dtype, device=D.device)
-    GW = torch.empty(W.shape, dtype=W.dtype, device=W.device)
+    GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
+    GD = workspace.empty(D.shape, dtype=D.dtype, device=D.device)
+    GW = workspace.empty(W.shape, dtype=W.dtype, device=W.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     Q_strides = Q.stride()
     D_strides = D.stride()

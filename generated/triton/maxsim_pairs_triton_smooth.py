@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: be3dbe90625708885370593f198a311a81bf4de2a032b817f4aa035f081d3e01
+# body-sha256: 358a9812e6fc58cc56f39305e357a219d2ddf526ba264d7c76fa53c09931fd2d
 
 """MaxSim forward for maxsim_pairs_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "pairs"

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: b7e4b151984bdff39b863263a6b6daae490102641aab8949cae4d1d751bb043f
+# body-sha256: c385624e1c59f04508adc861347054e235f73215299ac6c5df79a0a4548bd7d3
 
 """MaxSim forward for maxsim_pairs_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "pairs"

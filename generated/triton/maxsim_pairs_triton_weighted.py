@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 2a8c26265a5e4c1d6d5ab86c79d304394027707ee3410b6d9238e005c09e93f2
+# body-sha256: 393c8fce8d6227f7f78d5d8064b5f01622ff4faaf767a03ecd88e9c27e7ff8db
 
 """MaxSim forward for maxsim_pairs_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "pairs"

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c9a1feaca1bef6019f3989cd6292d6b138d84b40b76c4db1a6c11d943171b002
+# body-sha256: 9e2fc3f63c49af3c14e33ffb07fee97c2437051f707c9192679a725ffe414f86
 
 """MaxSim forward for maxsim_varlen_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "varlen"

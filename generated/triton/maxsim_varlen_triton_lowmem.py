@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: b88ec726486da39fba5c165f26bc856219cfbf20f59ed52b41687077b0e6cb4b
+# body-sha256: 9ed6afa7a3699a81571c4691088ef5a531932f3cec25d8bcbf37886285f467c8
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "varlen"
@@ -571,18 +572,18 @@ def backward(
     total_q = Q.shape[0]
     total_d = D.shape[0]
     # Tokens outside every valid sequence have no owner: they keep a zero gradient.
-    GD = torch.zeros(D.shape, dtype=D.dtype, device=D.device)
+    GD = workspace.zeros(D.shape, dtype=D.dtype, device=D.device)
     dot_dtype, input_precision = dot_config(config, Q.dtype)
     # grad_D first, so its winner lists (as many slots as the argmax) are freed before
     # grad_Q's output exists: the peak stays at the argmax plus both gradients.
     tiles = lowmem_d_grid(Nd, total_d, config.block_l)[0]
     slot_dtype = torch.int16 if Nq * max_seqlen_q < 2**15 else torch.int32
-    route = torch.empty((Nd, Nq * max_seqlen_q), dtype=slot_dtype, device=Q.device)
+    route = workspace.empty((Nd, Nq * max_seqlen_q), dtype=slot_dtype, device=Q.device)
     # Each program's doc and first token, as the route pass finds them for grad_D.
-    tile_doc = torch.empty(tiles, dtype=torch.int32, device=Q.device)
-    tile_first = torch.empty(tiles, dtype=torch.int32, device=Q.device)
-    route_start = torch.empty(tiles, dtype=torch.int32, device=Q.device)
-    route_count = torch.empty(tiles, dtype=torch.int32, device=Q.device)
+    tile_doc = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
+    tile_first = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
+    route_start = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
+    route_count = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
     argmax_strides = argmax.stride()
     maxsim_varlen_triton_lowmem_route_kernel[(tiles,)](
         argmax,
@@ -652,7 +653,7 @@ def backward(
     )
 
     del route, route_start, route_count, tile_doc, tile_first
-    GQ = torch.zeros(Q.shape, dtype=Q.dtype, device=Q.device)
+    GQ = workspace.zeros(Q.shape, dtype=Q.dtype, device=Q.device)
     Q_strides = Q.stride()
     D_strides = D.stride()
     grad_out_strides = grad_out.stride()

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 798cd0726f420fe1007edcb7ca5a4dd54b7fb17886ce90793c6dbc391249247d
+# body-sha256: d80bcf85c5c1ea1a96f6499b9b48d24964cdc39ebf3191b5024abc58f91107f0
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -30,6 +30,7 @@ from lik.runtime.kernel_lib import (
     topk_insert,
     valid_tokens,
 )
+from lik.runtime import workspace
 from lik.runtime.launch_cache import cached_launch
 
 LAYOUT = "varlen"
