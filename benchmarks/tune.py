@@ -35,7 +35,7 @@ from pathlib import Path
 import shapes
 import torch
 
-from lik.runtime import autotune, dispatch, registry
+from lik.runtime import autotune, backends, dispatch, registry
 from lik.runtime.explain import key_for, once_key
 from lik.runtime.keys import (
     KernelKey,
@@ -442,7 +442,7 @@ def main(argv=None) -> int:
         "--card", action="store_true", help="write this GPU's own table, not its family's"
     )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or dispatch.backend(torch.device("cuda")) != "triton":
+    if not torch.cuda.is_available() or backends.device_backend(torch.device("cuda")) != "triton":
         print("make tune needs a CUDA GPU with Triton", file=sys.stderr)
         return 2
     family = gpu_family(torch.device("cuda"))

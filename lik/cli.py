@@ -482,7 +482,7 @@ def check_family(family: str | None) -> None:
 
 
 def run_explain(args) -> int:
-    from lik.runtime.dispatch import TRITON_AVAILABLE
+    from lik.runtime.backends import TRITON_AVAILABLE
     from lik.runtime.explain import explain_forward, render
 
     check_family(args.family)

@@ -12,7 +12,7 @@ background thread.
 
 from lik.runtime import prewarm
 from lik.runtime.api import maxsim, maxsim_pairs
-from lik.runtime.dispatch import describe_backend
+from lik.runtime.backends import describe_backend
 from lik.runtime.ragged import (
     PackedBatch,
     maxsim_padded,

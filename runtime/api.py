@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lik.runtime import autograd, dispatch, metal, norm_warning, validate
+from lik.runtime import autograd, backends, metal, norm_warning, validate
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
@@ -106,10 +106,10 @@ def maxsim(
 
     if not normalize:
         norm_warning.check(Q3, D3, q_mask, d_mask)
-    path = dispatch.backend_of(Q)  # CUDA first, without a device object: the common case
-    if path != "triton" and metal.handles(Q.device):  # MPS: Metal kernels or their fallback
+    backend = backends.route("maxsim", Q)
+    if backend == "metal":  # the Metal kernels, or the reference outside their envelope
         out = metal.maxsim(layout, Q3, D3, q_mask, d_mask, normalize)
-    elif path == "reference":
+    elif backend == "reference":
         out = maxsim_reference(Q3, D3, q_mask, d_mask, normalize=normalize).float()
     else:  # the generated kernels: Triton on CUDA, or under the interpreter
         out = _score(layout, Q3, D3, q_mask, d_mask, normalize, backward)
@@ -146,9 +146,10 @@ def maxsim_pairs(
     d_mask = validate.mask("d_mask", d_mask, (B, Ld), D.device, "[B, Ld]")
     if not normalize:
         norm_warning.check(Q, D, q_mask, d_mask)
-    if metal.handles(Q.device):  # MPS: Metal kernels, or their fallback, chosen per call
+    backend = backends.route("maxsim", Q)
+    if backend == "metal":  # the Metal kernels, or the reference outside their envelope
         return metal.maxsim("pairs", Q, D, q_mask, d_mask, normalize)
-    if dispatch.backend(Q.device) == "reference":
+    if backend == "reference":
         return maxsim_pairs_reference(Q, D, q_mask, d_mask, normalize=normalize).float()
     return _score("pairs", Q, D, q_mask, d_mask, normalize, backward)
 
@@ -191,9 +192,10 @@ def maxsim_masked_as_zero(
         )
     q_mask = validate.mask("q_mask", q_mask, tuple(Q.shape[:-1]), Q.device)
     d_mask = validate.mask("d_mask", d_mask, tuple(D.shape[:-1]), D.device)
-    if metal.handles(Q.device):
+    backend = backends.route("maxsim", Q)
+    if backend == "metal":
         raise NotImplementedError("no Metal kernel reads a doc mask as zeros")
-    if dispatch.backend_of(Q) == "reference":
+    if backend == "reference":
         reference = maxsim_pairs_reference if pairs else maxsim_reference
         return reference(Q, D, q_mask, d_mask, masked_as_zero=True).float()
     return _score(layout, Q, D, q_mask, d_mask, False, backward, masked_as_zero=True)

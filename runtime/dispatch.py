@@ -1,8 +1,6 @@
-"""Validated call -> device path -> KernelKey -> generated kernel -> launch.
-
-CUDA tensors run the generated Triton kernels; CPU tensors run the reference, or the
-generated kernels under the Triton interpreter when TRITON_INTERPRET=1; MPS tensors go
-to lik.runtime.metal; other devices run the reference.
+"""Validated call -> KernelKey -> generated kernel -> launch, for the op families'
+kernel backends (lik.runtime.backends picks the backend: Triton on CUDA or under the
+interpreter, lik.runtime.metal on MPS).
 """
 
 from __future__ import annotations
@@ -10,13 +8,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import math
-import os
 
 import torch
 
-from lik.runtime import autotune, launch_plan, metal, registry, validate
+from lik.runtime import autotune, backends, launch_plan, metal, registry, validate
 from lik.runtime.keys import (
     LQ_CHUNK,
     MIN_BLOCK,
@@ -47,37 +43,6 @@ from lik.runtime.tuning import (
 )
 from lik.runtime.workspace import raw_stream
 
-# Looked up once at import (not per call), so torch.compile sees a plain constant.
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
-
-
-def backend(device: torch.device) -> str:
-    """'triton', 'interpreter' or 'reference': the path a tensor on this device takes."""
-    if device.type == "cuda" and TRITON_AVAILABLE:
-        return "triton"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and TRITON_AVAILABLE:
-        return "interpreter"
-    return "reference"
-
-
-def backend_of(tensor: torch.Tensor) -> str:
-    """backend(tensor.device), with the CUDA case first and without building a device
-    object: this runs on every call."""
-    if tensor.is_cuda and TRITON_AVAILABLE:
-        return "triton"
-    return backend(tensor.device)
-
-
-def describe_backend(device: torch.device | str) -> str:
-    device = torch.device(device)
-    if metal.handles(device):
-        return metal.describe()
-    return {
-        "triton": f"generated Triton ({device.type})",
-        "interpreter": "generated Triton under the interpreter (cpu)",
-        "reference": f"reference PyTorch ({device.type})",
-    }[backend(device)]
-
 
 def unit_head_stride(t: torch.Tensor) -> torch.Tensor:
     """t with its last (head dim) axis contiguous, copied where it is not. Kernels read
@@ -107,7 +72,7 @@ def query_chunk(module, Q: torch.Tensor) -> int:
 def layout_query_chunk(layout: str, Q: torch.Tensor, op: str = "maxsim") -> int:
     """query_chunk of `layout`'s `op` kernels for Q, whose masked and normalizing variants
     share one tile model; LQ_CHUNK where Q takes the reference path."""
-    if backend_of(Q) == "reference":
+    if backends.of(Q) not in backends.GENERATED_TRITON:
         return LQ_CHUNK
     return query_chunk(registry.load(variant_name(layout, False, False, False, Q.dtype, op=op)), Q)
 
@@ -547,7 +512,7 @@ def forward(
         if argmax is not None:
             argmax.fill_(-1)  # no winners; on the kernel path the kernel writes every entry
         return out.zero_()
-    if metal.handles(Q.device):  # MPS: the generated Metal kernels
+    if backends.of(Q) == "metal":  # the generated Metal kernels
         if masked_as_zero:
             raise NotImplementedError("no Metal kernel reads a doc mask as zeros")
         return metal.forward(
@@ -627,7 +592,7 @@ def backward(
     lq = Q.shape[1]
     if grad_out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
         return torch.zeros_like(Q), torch.zeros_like(D)
-    if metal.handles(Q.device):  # MPS: the generated Metal kernels
+    if backends.of(Q) == "metal":  # the generated Metal kernels
         return metal.backward(
             layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, strategy
         )

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from lik.runtime import api, dispatch, metal, ops, validate
+from lik.runtime import api, backends, dispatch, ops, validate
 from lik.runtime.keys import gpu_family, variant_name
 from lik.runtime.reference import maxsim_fp8_reference
 
@@ -181,12 +181,10 @@ def fp8_path(device: torch.device | str) -> str:
     dots), 'bf16-fallback' (dequantized bf16 maxsim), 'interpreter' (generated kernel
     under the Triton interpreter) or 'reference'."""
     device = torch.device(device)
-    if metal.handles(device):
-        return "reference"
-    backend = dispatch.backend(device)
+    backend = backends.device_backend(device)
     if backend == "triton":
         return "fp8" if fp8_dots_available(device) else "bf16-fallback"
-    return backend
+    return backend if backend in backends.FAMILY_BACKENDS["fp8"] else "reference"
 
 
 def _per_token(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:

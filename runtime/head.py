@@ -31,7 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from lik.runtime import dispatch, ops, registry, validate
+from lik.runtime import backends, ops, registry, validate
 from lik.runtime.api import maxsim
 from lik.runtime.keys import (
     MIN_BLOCK,
@@ -414,7 +414,7 @@ def maxsim_from_hidden(
     Q, H_d, W, b, d_mask = _validate(Q, H_d, W, b, d_mask, normalize)
     squeeze = Q.dim() == 2
     Q3 = Q.unsqueeze(0) if squeeze else Q
-    if dispatch.backend(Q.device) == "reference":  # CPU (or MPS): plain PyTorch, autograd
+    if backends.route("head", Q) == "reference":  # plain PyTorch, autograd
         out = maxsim_from_hidden_reference(Q3, H_d, W, b, d_mask, normalize=normalize).float()
     elif torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (Q3, H_d, W, b)

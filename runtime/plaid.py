@@ -34,7 +34,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from lik.runtime import dispatch, ops, ragged, registry, validate
+from lik.runtime import backends, dispatch, ops, ragged, registry, validate
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES, variant_name
 from lik.runtime.reference import (
     decompress_residual_reference,
@@ -325,7 +325,7 @@ def maxsim_residual(
     batch = Q.unsqueeze(0) if squeeze else Q
     training = torch.is_grad_enabled() and Q.requires_grad
     call = _ResidualCall("dense", nbits, training, check_offsets=False)
-    if dispatch.backend_of(Q) == "reference":
+    if backends.route("residual", Q) == "reference":
         if training:
             _check_no_empty_doc(doc_lengths)
         out = maxsim_residual_reference(
@@ -371,7 +371,7 @@ def maxsim_residual_varlen(
     batch = Q.unsqueeze(0) if squeeze else Q
     inputs = (batch.detach(), codes, residuals, cu_d, centroids, bucket_weights)
     call = _ResidualCall("varlen", nbits, False, check_offsets=max_seqlen_d is None)
-    if dispatch.backend_of(Q) == "reference":
+    if backends.route("residual", Q) == "reference":
         if call.check_offsets:
             _check_offsets(cu_d, codes.shape[0])
         out = maxsim_residual_varlen_reference(*inputs, nbits).float()

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from lik.runtime import dispatch, norm_warning, ops, validate, workspace
+from lik.runtime import backends, dispatch, norm_warning, ops, validate, workspace
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -227,7 +227,7 @@ def _score(layout, Q, D, tensors, bounds, normalize, backward):
     _given_bounds(max_seqlen_q, max_seqlen_d)
     if not normalize:  # packed tokens: the first ones are the first query's and doc's
         norm_warning.check(Q, D)
-    if dispatch.backend(Q.device) == "reference":
+    if backends.route("ragged", Q) == "reference":
         bound = _resolve_bounds(tensors["cu_seqlens_q"], tensors["cu_seqlens_d"], Q.shape[0],
                                 D.shape[0], max_seqlen_q)  # fmt: skip
         return score_pairs_packed_reference(Q, D, layout=layout, normalize=normalize,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lik.runtime import dispatch, validate
+from lik.runtime import backends, dispatch, validate
 from lik.runtime.api import maxsim
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
@@ -217,7 +217,7 @@ def _epilogue_applies(Q, D, k, chunk, largest) -> bool:
         and largest
         and 0 < k <= TOPK_MAX_K
         and D.shape[0] > 0
-        and dispatch.backend(Q.device) in ("triton", "interpreter")
+        and backends.route("topk", Q) != "reference"
         and Q.shape[-2] <= dispatch.layout_query_chunk("dense", Q, op="topk")
     )
 

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from lik.runtime import dispatch, metal, norm_warning, ops, registry, validate
+from lik.runtime import backends, dispatch, metal, norm_warning, ops, registry, validate
 from lik.runtime.keys import next_power_of_two, variant_name
 from lik.runtime.reference import maxsim_scored_reference
 from lik_gen.ir import MAX_TOKEN_K
@@ -196,10 +196,11 @@ def _score(call: _Call, Q, D, weights, q_mask, d_mask) -> torch.Tensor:
         weights = None if weights is None else weights.unsqueeze(0)
     if not call.normalize:
         norm_warning.check(Q3, D, q_mask, d_mask)
-    if metal.handles(Q.device):  # MPS: the Metal kernels, or the reference outside them
+    backend = backends.route("scored", Q)
+    if backend == "metal":  # the Metal kernels, or the reference outside them
         metal_call = metal.ScoredCall(call.score, call.layout, call.normalize, call.tau, call.k)
         out = metal.maxsim_scored(metal_call, Q3, D, weights, q_mask, d_mask)
-    elif dispatch.backend(Q.device) == "reference":
+    elif backend == "reference":
         out = maxsim_scored_reference(Q3, D, q_mask, d_mask, score=call.score, weights=weights,
                                       tau=call.tau, k=call.k, normalize=call.normalize,
                                       pairs=pairs).float()  # fmt: skip

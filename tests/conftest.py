@@ -26,8 +26,8 @@ def lik_path(request, monkeypatch):
         pytest.skip("the interpreter runs where there is no GPU (above)")
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from lik.runtime import dispatch
+    from lik.runtime import backends
 
-    if dispatch.backend(torch.device("cpu")) != request.param:
+    if backends.device_backend(torch.device("cpu")) != request.param:
         pytest.skip(f"no {request.param} path here")
     return request.param

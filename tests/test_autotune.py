@@ -15,13 +15,14 @@ import pytest
 import torch
 from helpers import weighted_gradients
 
-from lik.runtime import autotune, dispatch, maxsim
+from lik.runtime import autotune, backends, dispatch, maxsim
 from lik.runtime.keys import KernelKey
 from lik.runtime.reference import maxsim_reference
 from lik.runtime.tuning import default_config, one_warpgroup_backward
 
 pytestmark = pytest.mark.skipif(
-    dispatch.backend(torch.device("cpu")) == "reference", reason="no Triton path on this machine"
+    backends.device_backend(torch.device("cpu")) == "reference",
+    reason="no Triton path on this machine",
 )
 REAL_APPLIES = autotune.applies
 

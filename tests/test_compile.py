@@ -12,10 +12,10 @@ import torch
 from test_plaid import _flatten, _index
 
 import lik.runtime as rt
-from lik.runtime import dispatch, fp8, head, plaid
+from lik.runtime import backends, fp8, head, plaid
 
 pytestmark = pytest.mark.skipif(
-    dispatch.backend(torch.device("cpu")) != "interpreter" or torch.cuda.is_available(),
+    backends.device_backend(torch.device("cpu")) != "interpreter" or torch.cuda.is_available(),
     reason="the kernels under the interpreter, on a CPU-only machine",
 )
 

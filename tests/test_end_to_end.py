@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import relative_error
 
-from lik.runtime import dispatch
+from lik.runtime import backends
 from lik.runtime.reference import maxsim_reference
 from lik.runtime.tuning import LaunchConfig
 from lik_gen.cli import main
@@ -33,7 +33,8 @@ target = "triton"
 
 
 @pytest.mark.skipif(
-    dispatch.backend(torch.device("cpu")) != "interpreter", reason="needs the Triton interpreter"
+    backends.device_backend(torch.device("cpu")) != "interpreter",
+    reason="needs the Triton interpreter",
 )
 def test_spec_to_generated_module_to_scores(tmp_path):
     specs, out = tmp_path / "specs", tmp_path / "generated"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import poisoned, random_mask, relative_error
 
-from lik.runtime import dispatch, fp8, registry
+from lik.runtime import backends, dispatch, fp8, registry
 from lik.runtime.keys import KernelKey
 from lik.runtime.reference import maxsim_fp8_reference
 from lik.runtime.tuning import default_config
@@ -348,7 +348,7 @@ def _scored_by_hand(Q8, D8, scale_Q, scale_D, q_mask, d_mask):
 
 @pytest.mark.parametrize("path", ["reference", "bf16-fallback"])
 def test_fallback_paths_match_reference(monkeypatch, path):
-    if path == "bf16-fallback" and dispatch.backend(torch.device(DEVICE)) == "reference":
+    if path == "bf16-fallback" and backends.device_backend(torch.device(DEVICE)) == "reference":
         pytest.skip("lik's bf16 maxsim has no kernel path here")
     monkeypatch.setattr(fp8, "fp8_path", lambda device: path)
     Q8, D8, sq, sd, q_mask, d_mask, _ = _case(3, 4, 6, 21, 40, "tensor", "token", "qd", 13)
@@ -363,7 +363,7 @@ def test_fallback_paths_match_reference(monkeypatch, path):
 def test_cpu_path_and_capability():
     cpu = torch.device("cpu")
     assert not fp8.fp8_dots_available(cpu)
-    assert fp8.fp8_path(cpu) == dispatch.backend(cpu)  # interpreter or reference
+    assert fp8.fp8_path(cpu) == backends.device_backend(cpu)  # interpreter or reference
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         expected = "fp8" if (major, minor) >= (8, 9) else "bf16-fallback"

@@ -25,7 +25,7 @@ import random
 import pytest
 import torch
 
-from lik.runtime import api, dispatch, maxsim, maxsim_pairs, maxsim_varlen
+from lik.runtime import api, backends, maxsim, maxsim_pairs, maxsim_varlen
 
 NAN, INF = float("nan"), float("inf")
 ENTRIES = ("dense", "kd", "one_query", "one_doc", "pairs", "varlen")
@@ -379,7 +379,7 @@ def _use_path(path, monkeypatch):
         pytest.skip("the interpreter runs where there is no GPU (make soak covers GPUs)")
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dispatch.backend(torch.device("cpu")) != path:
+    if backends.device_backend(torch.device("cpu")) != path:
         pytest.skip(f"no {path} path here")
 
 

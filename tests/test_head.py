@@ -23,14 +23,14 @@ from helpers import (
     relative_error,
 )
 
-from lik.runtime import dispatch, head, registry
+from lik.runtime import backends, dispatch, head, registry
 from lik.runtime.head import HeadConfig, maxsim_from_hidden
 from lik.runtime.reference import maxsim_from_hidden_reference, maxsim_reference
 from lik_gen.ir import Variant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
-KERNELS = dispatch.backend(torch.device(DEVICE)) != "reference"
+KERNELS = backends.device_backend(torch.device(DEVICE)) != "reference"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no Triton path on this machine")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

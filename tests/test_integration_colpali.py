@@ -25,7 +25,7 @@ processing_utils = pytest.importorskip("colpali_engine.utils.processing_utils")
 
 from lik import integrations, runtime  # noqa: E402
 from lik.integrations import colpali as lik_colpali  # noqa: E402
-from lik.runtime import variants  # noqa: E402
+from lik.runtime import backends, variants  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -367,9 +367,8 @@ def test_a_cpu_without_the_interpreter_stays_with_the_library(
     CPU calls to it; under the interpreter lik scores."""
     monkeypatch.setattr(integrations, "has_kernel", HAS_KERNEL)
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    from lik.runtime import dispatch
 
-    if interpret == "1" and dispatch.backend(torch.device("cpu")) != "interpreter":
+    if interpret == "1" and backends.device_backend(torch.device("cpu")) != "interpreter":
         pytest.skip("no interpreter here")
     g = _generator(10)
     Q, D = _queries(2, 4, 8, generator=g).to(dtype), _docs(3, 5, 8, generator=g).to(dtype)

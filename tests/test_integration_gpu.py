@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lik import runtime
-from lik.runtime import api, dispatch
+from lik.runtime import api, backends
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +65,8 @@ def colpali():
 @pytest.fixture
 def lik_calls(monkeypatch):
     """Names of the lik entry points that returned a result (not a fallback)."""
-    assert dispatch.backend(torch.device(DEVICE)) == "triton", "lik would not run its kernels"
+    backend = backends.device_backend(torch.device(DEVICE))
+    assert backend == "triton", "lik would not run its kernels"
     calls = []
     for module, name in ((runtime, "maxsim"), (runtime, "maxsim_pairs"), (api, ZERO)):
         real = getattr(module, name)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from lik import runtime
-from lik.runtime import api, dispatch, norm_warning, variants
+from lik.runtime import api, backends, norm_warning, variants
 
 LIK, ORIGINAL = "lik", "original"
 ENTRY_POINTS = (
@@ -36,7 +36,7 @@ ENTRY_POINTS = (
 @pytest.fixture(autouse=True)
 def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dispatch.backend(torch.device("cpu")) != "interpreter":
+    if backends.device_backend(torch.device("cpu")) != "interpreter":
         pytest.skip("the tables run CPU tensors under the Triton interpreter")
 
 

@@ -20,7 +20,7 @@ colbert = pytest.importorskip("pylate.scores.colbert")
 
 from lik import integrations, runtime  # noqa: E402
 from lik.integrations import pylate as lik_pylate  # noqa: E402
-from lik.runtime import api  # noqa: E402
+from lik.runtime import api, backends  # noqa: E402
 from lik.runtime.reference import maxsim_reference  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -400,9 +400,8 @@ def test_a_cpu_without_the_interpreter_stays_with_the_library(lik_calls, monkeyp
     own kernel backends leave CPU calls to it; under the interpreter lik scores."""
     monkeypatch.setattr(integrations, "has_kernel", HAS_KERNEL)
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    from lik.runtime import dispatch
 
-    if interpret == "1" and dispatch.backend(torch.device("cpu")) != "interpreter":
+    if interpret == "1" and backends.device_backend(torch.device("cpu")) != "interpreter":
         pytest.skip("no interpreter here")
     g = _generator(11)
     Q, D = _queries(2, 4, 8, generator=g), _docs(3, 5, 8, generator=g)

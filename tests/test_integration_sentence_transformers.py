@@ -32,7 +32,7 @@ from sentence_transformers.util import similarity  # noqa: E402
 
 from lik import integrations, runtime  # noqa: E402
 from lik.integrations import sentence_transformers as lik_st  # noqa: E402
-from lik.runtime import dispatch, norm_warning, variants  # noqa: E402
+from lik.runtime import backends, norm_warning, variants  # noqa: E402
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 ORIGINALS = {
@@ -510,7 +510,7 @@ def _table():
 @pytest.mark.parametrize("row", list(_table()))
 def test_input_table(lik_calls, monkeypatch, row):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dispatch.backend(torch.device("cpu")) != "interpreter":
+    if backends.device_backend(torch.device("cpu")) != "interpreter":
         pytest.skip("the table runs CPU tensors under the Triton interpreter")
     call, expected, *options = _table()[row]
     tolerance = options[0]["tolerance"] if options else 1e-5
@@ -563,7 +563,7 @@ def test_nothing_of_lik_is_warned(monkeypatch, lik_calls):
 def test_a_cpu_without_the_interpreter_stays_with_st(lik_calls, monkeypatch, interpret):
     monkeypatch.setattr(integrations, "has_kernel", HAS_KERNEL)
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
-    if interpret == "1" and dispatch.backend(torch.device("cpu")) != "interpreter":
+    if interpret == "1" and backends.device_backend(torch.device("cpu")) != "interpreter":
         pytest.skip("no interpreter here")
     g = _g(14)
     a, b = _queries(2, 3, DIM, generator=g).bfloat16(), _docs(3, 4, DIM, generator=g).bfloat16()

@@ -19,7 +19,7 @@ from helpers import (
     stable_seed,
 )
 
-from lik.runtime import dispatch, maxsim, maxsim_pairs, registry, workspace
+from lik.runtime import backends, dispatch, maxsim, maxsim_pairs, registry, workspace
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -27,7 +27,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
 TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 pytestmark = pytest.mark.skipif(
-    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+    backends.device_backend(torch.device(DEVICE)) == "reference",
+    reason="no Triton path on this machine",
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import INTERPRETER_FP32_TOLERANCE, relative_error
 
-from lik.runtime import dispatch, launch_cache, launch_plan, maxsim
+from lik.runtime import backends, launch_cache, launch_plan, maxsim
 from lik.runtime.launch_cache import CachedLaunch, cached_launch
 from lik.runtime.reference import maxsim_reference
 
@@ -308,7 +308,7 @@ def test_fused_head_scores_the_same_through_the_cache_and_through_triton(Ld):
 # The interpreter (TRITON_INTERPRET=1) is not thread-safe: every interpreted launch of a
 # generated kernel holds launch_cache.INTERPRETER_LOCK.
 
-INTERPRETING = dispatch.backend(torch.device("cpu")) == "interpreter"
+INTERPRETING = backends.device_backend(torch.device("cpu")) == "interpreter"
 needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs under TRITON_INTERPRET=1")
 
 

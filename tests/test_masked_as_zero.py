@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import TOLERANCE, relative_error, stable_seed
 
-from lik.runtime import api, dispatch, registry
+from lik.runtime import api, backends, dispatch, registry
 from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Mask, Variant
@@ -178,7 +178,7 @@ def test_scores_and_gradients_match_the_reference(lik_path, layout, shape, dtype
 
 
 def _kernel_path():
-    if dispatch.backend(torch.device(DEVICE)) == "reference":
+    if backends.device_backend(torch.device(DEVICE)) == "reference":
         pytest.skip("no Triton path on this machine")
 
 

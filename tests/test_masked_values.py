@@ -25,6 +25,7 @@ import torch
 
 from lik.runtime import (
     api,
+    backends,
     dispatch,
     maxsim,
     maxsim_pairs,
@@ -71,7 +72,7 @@ def interpreter_path(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if dispatch.backend(torch.device("cpu")) != "interpreter":
+    if backends.device_backend(torch.device("cpu")) != "interpreter":
         pytest.skip("no interpreter path here")
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from helpers import TOLERANCE, relative_error
 
-from lik.runtime import api, autograd, dispatch, metal, registry
+from lik.runtime import api, autograd, backends, metal, registry
 from lik.runtime.keys import variant_name
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import TORCH_DTYPE_NAME, Backward, DType, Target, Variant
@@ -769,7 +769,7 @@ def test_forced_backend(fake_mps, monkeypatch, forced):
     out = api.maxsim_pairs(Q, D)  # tiny: the reference unless forced otherwise
     assert relative_error(out, reference("pairs", Q, D, None, None, False)) < 1e-5
     assert bool(calls) == (forced == "metal")
-    assert forced in dispatch.describe_backend("cpu")
+    assert forced in backends.describe_backend("cpu")
 
 
 def test_forced_metal_outside_its_envelope_and_bad_values_raise(fake_mps, monkeypatch):
@@ -792,7 +792,7 @@ def test_kernels_refuse_an_int32_argmax(fake_mps):
 
 def test_mps_devices_route_to_metal():
     assert metal.handles(torch.device("mps")) and not metal.handles(torch.device("cpu"))
-    assert "Metal" in dispatch.describe_backend("mps")
+    assert "Metal" in backends.describe_backend("mps")
 
 
 def test_hand_edited_metal_source_is_refused(monkeypatch, tmp_path):

@@ -14,14 +14,15 @@ from helpers import INTERPRETER_FP32_TOLERANCE, TOLERANCE, relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lik.runtime import dispatch, maxsim, maxsim_pairs
+from lik.runtime import backends, maxsim, maxsim_pairs
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik.runtime.retrieval import retrieve
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
 pytestmark = pytest.mark.skipif(
-    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+    backends.device_backend(torch.device(DEVICE)) == "reference",
+    reason="no Triton path on this machine",
 )
 BUDGET = settings(
     max_examples=25,

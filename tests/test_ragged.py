@@ -10,6 +10,7 @@ from helpers import TOLERANCE, relative_error
 
 from lik.runtime import (
     PackedBatch,
+    backends,
     dispatch,
     maxsim_padded,
     maxsim_varlen,
@@ -24,7 +25,8 @@ from lik.runtime.reference import maxsim_pairs_reference, score_pairs_packed_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
 pytestmark = pytest.mark.skipif(
-    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+    backends.device_backend(torch.device(DEVICE)) == "reference",
+    reason="no Triton path on this machine",
 )
 
 
@@ -352,7 +354,7 @@ def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, f
     scores = maxsim_padded(queries, documents, q_len, d_len)
     assert scores.shape == (2, 3) and relative_error(scores, expected) < 1e-5
     assert scores[0, 1] == 0
-    long_queries = dispatch.backend(queries.device) != "reference" and fitting < 20
+    long_queries = backends.device_backend(queries.device) != "reference" and fitting < 20
     assert taken == ["maxsim" if long_queries else "score_pairs_packed"]
 
 

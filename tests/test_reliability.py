@@ -26,14 +26,14 @@ import torch.distributed as dist
 from helpers import INTERPRETER_FP32_TOLERANCE, TOLERANCE, jit_functions, relative_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lik.runtime import dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime import backends, dispatch, maxsim, maxsim_pairs, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik.runtime.retrieval import merge_top_k, retrieve, retrieve_sharded
 from lik.runtime.scorer import MaxSimScorer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
-KERNELS = dispatch.backend(torch.device(DEVICE)) != "reference"
+KERNELS = backends.device_backend(torch.device(DEVICE)) != "reference"
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no Triton path on this machine")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Every structural MaxSim kernel (each serves all its masks, normalize values and dtypes).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lik.runtime import maxsim
+from lik.runtime import backends, maxsim
 from lik.runtime import retrieval as retrieval_module
 from lik.runtime.reference import maxsim_reference
 from lik.runtime.retrieval import merge_top_k, retrieve
@@ -212,7 +212,7 @@ def test_merge_top_k_in_small_key_blocks(monkeypatch, largest):
 
 
 @pytest.mark.skipif(
-    retrieval_module.dispatch.backend(torch.device(DEVICE)) == "reference",
+    backends.device_backend(torch.device(DEVICE)) == "reference",
     reason="the top-k epilogue runs on the kernel path",
 )
 @pytest.mark.parametrize("masked", [False, True])

@@ -7,8 +7,8 @@ import torch
 
 from lik.runtime import (
     MaxSimScorer,
+    backends,
     describe_backend,
-    dispatch,
     maxsim,
     maxsim_pairs,
     registry,
@@ -79,7 +79,7 @@ def test_masks_on_another_device_are_refused():
 
 def test_reference_path_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert dispatch.backend(torch.device("cpu")) == "reference"
+    assert backends.device_backend(torch.device("cpu")) == "reference"
     assert describe_backend("cpu") == "reference PyTorch (cpu)"
     Qg = Q.clone().requires_grad_()
     out = maxsim(Qg, D)  # the reference is autograd-aware

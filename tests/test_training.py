@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TOLERANCE, padded_variant_names, relative_error, stable_seed
 
-from lik.runtime import api, dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime import api, backends, dispatch, maxsim, maxsim_pairs, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -17,7 +17,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
 TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 pytestmark = pytest.mark.skipif(
-    dispatch.backend(torch.device(DEVICE)) == "reference", reason="no Triton path on this machine"
+    backends.device_backend(torch.device(DEVICE)) == "reference",
+    reason="no Triton path on this machine",
 )
 TRAINING_VARIANTS = [
     n for n in padded_variant_names(registry.names()) if n.endswith(("_unified", "_lowmem"))

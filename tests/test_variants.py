@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import relative_error
 
-from lik.runtime import dispatch, variants
+from lik.runtime import backends, variants
 from lik.runtime.reference import maxsim_scored_reference
 
 CUDA = torch.cuda.is_available()
@@ -84,7 +84,7 @@ def _check(score, dtype, Nq, Nd, Lq, Ld, d, *, masks, normalize, pairs, seed=0, 
 
 
 needs_kernels = pytest.mark.skipif(
-    dispatch.backend(torch.device(DEVICE)) == "reference",
+    backends.device_backend(torch.device(DEVICE)) == "reference",
     reason="needs CUDA or the Triton interpreter",
 )
 

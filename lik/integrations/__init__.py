@@ -34,7 +34,7 @@ from types import FunctionType, ModuleType
 
 import torch
 
-from lik.runtime import dispatch, norm_warning
+from lik.runtime import backends, norm_warning
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES
 
 # Devices with a lik path that is worth taking (kernels on CUDA, the reference on CPU).
@@ -54,7 +54,10 @@ def has_kernel(device: torch.device) -> bool:
     """Whether lik runs a generated kernel on this device: Triton on CUDA, or a CPU under
     TRITON_INTERPRET=1. Elsewhere lik would run its reference, and the library's own
     function stays in charge."""
-    return device.type in LIK_DEVICE_TYPES and dispatch.backend(device) != "reference"
+    return (
+        device.type in LIK_DEVICE_TYPES
+        and backends.device_backend(device) in backends.GENERATED_TRITON
+    )
 
 
 def lik_accepts(*tensors: object) -> bool:
