@@ -229,7 +229,7 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
     default's, the winner by the joint slowdown over the two, the clean-L2 tie-break)."""
     import tune
 
-    from lik.runtime import dispatch, fp8, registry
+    from lik.runtime import configs, fp8, registry
     from lik.runtime.keys import KernelKey, gpu_family, lq_bucket, padded_head_dim, size_class
 
     name = "maxsim_dense_nomask_fp8_triton"
@@ -239,7 +239,7 @@ def sweep_lik_fp8(shape: Shape, inputs: dict, args) -> dict:
     key = KernelKey(name, gpu_family(q8.device), padded_head_dim(shape.d), lq_bucket(shape.lq),
                     size_class(out.numel()), 1)  # fmt: skip
     # Each config with the fp8 tile minimums, as the runtime launches a table entry's.
-    default = fp8.fp8_tiles(dispatch._config(name, module, q8, shape.lq, out.numel()), q8.device)
+    default = fp8.fp8_tiles(configs.call_config(name, module, q8, shape.lq, out.numel()), q8.device)
     grid = [
         fp8.fp8_tiles(
             dataclasses.replace(default, block_l=block_l, num_stages=stages, num_warps=warps),

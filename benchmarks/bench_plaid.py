@@ -181,7 +181,7 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
     """Times lik's generated kernels under each launch config of SWEEP (outputs checked
     against the default config's) and reports the fastest per layout as a tuning-table
     line (runtime/tuning/<family>.toml)."""
-    from lik.runtime import dispatch, plaid, registry
+    from lik.runtime import configs, plaid, registry
     from lik.runtime.keys import gpu_family
 
     centroids, weights = codebook(nbits, "cuda", N_CENTROIDS, args.dim)
@@ -200,7 +200,7 @@ def sweep_case(n_docs: int, nbits: int, args) -> dict:
     for layout, launch in launches.items():
         name = plaid._variant(layout, centroids, nbits)
         module = registry.load(name)
-        default = dispatch._config(name, module, Q, LQ, n_docs)
+        default = configs.call_config(name, module, Q, LQ, n_docs)
         key = table_key(name, n_docs, args.dim, gpu_family(Q.device))
         found[layout] = _sweep_layout(module, launch, default, n_docs, args.dim, args.quick,
                                       shape=f"plaid-{n_docs}-nbits{nbits}")  # fmt: skip

@@ -9,7 +9,7 @@ host work does not hide the differences). Shapes that share a KernelKey
 config whose times are the smallest multiple of each shape's own best (geometric mean)
 wins. Forward candidates within NEAR_TIE of the winner are timed again with L2 left
 clean (clean_l2_ms), and one CLEAN_WIN faster there takes the key. A shape whose docs
-load once (dispatch.streamed: a small rerank's unpipelined, evict-first loads) tunes
+load once (heuristics.streamed: a small rerank's unpipelined, evict-first loads) tunes
 their tile and warps under its "once" key instead. Winners go
 to runtime/tuning/<family>.toml under their keys, or with --card to this GPU's own
 table, runtime/tuning/<family>/<card>.toml, which calls on that card read first (for
@@ -35,7 +35,7 @@ from pathlib import Path
 import shapes
 import torch
 
-from lik.runtime import autotune, backends, dispatch, registry
+from lik.runtime import autotune, backends, heuristics, registry
 from lik.runtime.explain import key_for, once_key
 from lik.runtime.keys import (
     KernelKey,
@@ -137,7 +137,7 @@ def _generator():
 def forward_run(module, shape, key: KernelKey):
     """run(config) -> (scores,) of a plain forward of this shape (its first 512 query
     tokens where longer, as keyed), launched as a call would launch it were `config` the
-    key's committed entry (dispatch.stream_config: doc blocks, token ranges and, for a
+    key's committed entry (heuristics.stream_config: doc blocks, token ranges and, for a
     "once" key, the tile and warps of its docs-once loads)."""
     _, nq, nd, lq, ld, d = shape
     g = _generator()
@@ -151,7 +151,7 @@ def forward_run(module, shape, key: KernelKey):
     def run(config):
         if getattr(module, "DOC_STREAM", False):  # shaped as a call with `config` committed
             swept = {**committed, key.kernel: config}
-            config = dispatch.stream_config(module, swept["fwd"], lambda: swept["once"], nq, nd,
+            config = heuristics.stream_config(module, swept["fwd"], lambda: swept["once"], nq, nd,
                                             ld, dense_bytes, D.device)  # fmt: skip
         module.launch(out, Q, D, config=config)
         return (out,)

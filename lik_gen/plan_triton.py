@@ -80,7 +80,7 @@ NO_TEMPLATE = ""
 
 # Constexprs a doc-tile hook may take (named among its doc_tile_params), each with the
 # launcher expression that sets it per call: evict-first loads of uncompressed docs
-# (dispatch.loads_docs_once), PLAID residuals read as int32 words (plaid._residual_words),
+# (heuristics.loads_docs_once), PLAID residuals read as int32 words (plaid._residual_words),
 # a head dim that fills BLOCK_K (no dims past it to zero).
 DOC_TILE_CONSTEXPRS = {
     "EVICT_DOCS": "config.evict_docs",

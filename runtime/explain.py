@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from lik.runtime import autotune, dispatch, registry, validate
+from lik.runtime import autotune, configs, heuristics, registry, validate
 from lik.runtime.api import AUTO_RULE, choose_backward
 from lik.runtime.keys import (
     LQ_CHUNK,
@@ -51,7 +51,7 @@ class ForwardPlan:
     autotuned: bool  # no committed entry; the config comes from this machine's autotune cache
     config: LaunchConfig  # as launched: doc blocks, token ranges, tail peel, once tiles
     chunks: int  # launches over query-token chunks of at most query_chunk tokens
-    query_chunk: int  # LQ_CHUNK, or fewer where shared memory is short (dispatch.query_chunk)
+    query_chunk: int  # LQ_CHUNK, or fewer where shared memory is short (heuristics.query_chunk)
     wave: int  # programs of this config the GPU holds at once
     backward: BackwardPlan | None = None  # a training call's (inputs requiring grad)
 
@@ -75,7 +75,7 @@ def key_for(shape, family: str, dtype: torch.dtype = torch.bfloat16, card: str =
             backward: str = "none") -> KernelKey:  # fmt: skip
     """The KernelKey dispatch builds for a maxsim(Q, D) call of this shape on a card of the
     family, with a query and/or doc mask where asked, and for a training call the forward
-    key of its backward strategy's variant (see dispatch._config; queries longer than
+    key of its backward strategy's variant (see configs.call_config; queries longer than
     LQ_CHUNK tokens are keyed by their first chunk). card "": the family's own entries
     alone."""
     _, nq, nd, lq, _, d = shape
@@ -92,7 +92,7 @@ def once_key(shape, family: str, card: str = "") -> KernelKey | None:
     module = registry.load(key.variant)
     config = config_for(key, module.smem_bytes)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: as on an H100
-    if not dispatch.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2, device).evict_docs:
+    if not heuristics.streamed_for(module, config, nq, nd, ld, nd * ld * d * 2, device).evict_docs:
         return None
     return dataclasses.replace(key, kernel="once")
 
@@ -127,14 +127,14 @@ def explain_forward(
 
     key = call_key(lq)
     module = registry.load(key.variant)
-    chunk = dispatch.family_query_chunk(module, d, family)
+    chunk = heuristics.family_query_chunk(module, d, family)
     if lq > chunk:  # keyed by its first chunk
         key = call_key(chunk)
     once = dataclasses.replace(key, kernel="once")
     # A key without an entry takes the one its first CUDA call on this card autotuned.
-    tuned = dispatch.autotuned_entry(key, torch.device("cuda"))
+    tuned = configs.autotuned_entry(key, torch.device("cuda"))
     key_config = config_for(key, module.smem_bytes, tuned)
-    config = dispatch.stream_config(
+    config = heuristics.stream_config(
         module, key_config, lambda: config_for(once, module.smem_bytes),
         nq, nd, ld, nd * ld * d * dtype.itemsize, device,
     )  # fmt: skip
@@ -149,7 +149,7 @@ def explain_forward(
         config=config,
         chunks=-(-lq // chunk),
         query_chunk=chunk,
-        wave=dispatch.wave_for(module, config, device),
+        wave=heuristics.wave_for(module, config, device),
         backward=None if backward is None else _backward_plan(backward, strategy, key, module),
     )
 
@@ -162,7 +162,7 @@ def _backward_plan(asked: str, strategy: str, key: KernelKey, module) -> Backwar
     else:
         reason = f"auto: {AUTO_RULE}"
     bwd_key = dataclasses.replace(key, kernel="bwd")
-    tuned = dispatch.autotuned_entry(bwd_key, torch.device("cuda"))
+    tuned = configs.autotuned_entry(bwd_key, torch.device("cuda"))
     return BackwardPlan(strategy=strategy, reason=reason, key=bwd_key,
                         source=committed_source(bwd_key), autotuned=tuned is not None,
                         config=config_for(bwd_key, module.smem_bytes, tuned))  # fmt: skip

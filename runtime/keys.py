@@ -143,7 +143,7 @@ class KernelKey:
     queries: int = 1  # query_bucket(Nq) for layouts that stack queries (dense), else 1
     # "fwd"; "bwd" for a training variant's backward kernels: they tile differently from
     # its forward (grad_D's one-hot dots) and are tuned apart; "once" for the tile and
-    # warps of a small rerank's unpipelined, evict-first doc loads (dispatch.streamed).
+    # warps of a small rerank's unpipelined, evict-first doc loads (heuristics.streamed).
     kernel: str = "fwd"
     # The GPU's name (gpu_card): cards of one family differ in bandwidth (an H200 reads
     # 1.4x as fast as an H100), so a card's own table, where it has one, comes first.

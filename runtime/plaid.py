@@ -34,7 +34,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from lik.runtime import backends, dispatch, ops, ragged, registry, validate
+from lik.runtime import backends, dispatch, heuristics, ops, ragged, registry, validate
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES, variant_name
 from lik.runtime.reference import (
     decompress_residual_reference,
@@ -182,7 +182,7 @@ def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
 
 def _query_chunks(module, Q: torch.Tensor):
     # Lq == 0 still launches once: bad doc lengths or offsets must still poison.
-    return dispatch._chunks(Q.shape[1], dispatch.query_chunk(module, Q)) or [(0, 0)]
+    return dispatch._chunks(Q.shape[1], heuristics.query_chunk(module, Q)) or [(0, 0)]
 
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from lik.runtime import backends, dispatch, norm_warning, ops, validate, workspace
+from lik.runtime import backends, dispatch, heuristics, norm_warning, ops, validate, workspace
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -403,7 +403,7 @@ def maxsim_padded(
     if B * C == 0:
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
     # Compiled graphs take the mask path too: packing has data-dependent sizes.
-    if torch.compiler.is_compiling() or Lq > dispatch.layout_query_chunk("packed_pairs", queries):
+    if torch.compiler.is_compiling() or Lq > heuristics.layout_query_chunk("packed_pairs", queries):
         q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
         d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
         return maxsim(queries, documents, q_mask, d_mask)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lik.runtime import backends, dispatch, validate
+from lik.runtime import backends, dispatch, heuristics, validate
 from lik.runtime.api import maxsim
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
@@ -218,7 +218,7 @@ def _epilogue_applies(Q, D, k, chunk, largest) -> bool:
         and 0 < k <= TOPK_MAX_K
         and D.shape[0] > 0
         and backends.route("topk", Q) != "reference"
-        and Q.shape[-2] <= dispatch.layout_query_chunk("dense", Q, op="topk")
+        and Q.shape[-2] <= heuristics.layout_query_chunk("dense", Q, op="topk")
     )
 
 

@@ -166,7 +166,7 @@ def one_warpgroup_backward(key: KernelKey) -> bool:
     return key.kernel == "bwd" and key.variant.endswith("_lowmem")
 
 
-# Docs loaded once (unpipelined, evict-first; lik.runtime.dispatch.streamed) keep a tile
+# Docs loaded once (unpipelined, evict-first; lik.runtime.heuristics.streamed) keep a tile
 # of ONCE_TILE_ELEMENTS in flight per warp by default: one warp of 32 tokens at d 128,
 # 64 at d 64. On an H100 (1000 docs of 1024 tokens at d 48, padded to 64), 64-token tiles
 # read in 44.5 us where 32-token ones took 48.2 (commit ee7ed93).

@@ -21,7 +21,17 @@ import dataclasses
 
 import torch
 
-from lik.runtime import backends, dispatch, metal, norm_warning, ops, registry, validate
+from lik.runtime import (
+    backends,
+    configs,
+    dispatch,
+    heuristics,
+    metal,
+    norm_warning,
+    ops,
+    registry,
+    validate,
+)
 from lik.runtime.keys import next_power_of_two, variant_name
 from lik.runtime.reference import maxsim_scored_reference
 from lik_gen.ir import MAX_TOKEN_K
@@ -108,7 +118,7 @@ def _backward(call: _Call, grad_out, saved, Q, D, W, q_mask, d_mask):
     def run(config):
         return module.backward(grad_out, saved, Q, D, **arguments, config=config)
 
-    config = dispatch._config(name, module, Q, Q.shape[1], grad_out.numel(), kernel="bwd",
+    config = configs.call_config(name, module, Q, Q.shape[1], grad_out.numel(), kernel="bwd",
                               run=run)  # fmt: skip
     grads, _ = dispatch._launch(module.backward, config, grad_out, saved, Q, D, **arguments)
     return grads if W is not None else (*grads, None)
@@ -151,11 +161,11 @@ SCORED = ops.Family("scored", _ScoredCall, _scored_forward, _scored_fake, _score
 
 
 def _kernel_score(call: _Call, Q, D, W, q_mask, d_mask) -> torch.Tensor:
-    """Generated kernels, queries longer than dispatch.query_chunk's tokens in chunks
+    """Generated kernels, queries longer than heuristics.query_chunk's tokens in chunks
     (token scores add)."""
     total = None
     module = registry.load(_name(call, Q, q_mask is not None, d_mask is not None, "none"))
-    chunk = dispatch.query_chunk(module, Q)
+    chunk = heuristics.query_chunk(module, Q)
     for start in range(0, max(1, Q.shape[1]), chunk):
         stop = min(Q.shape[1], start + chunk)
         whole = start == 0 and stop == Q.shape[1]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import weighted_gradients
 
-from lik.runtime import autotune, backends, dispatch, maxsim
+from lik.runtime import autotune, backends, configs, maxsim
 from lik.runtime.keys import KernelKey
 from lik.runtime.reference import maxsim_reference
 from lik.runtime.tuning import default_config, one_warpgroup_backward
@@ -33,8 +33,8 @@ def tuner(monkeypatch, tmp_path):
     GPU calls, and grids of the default plus one narrower doc tile."""
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LIK_AUTOTUNE", raising=False)
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
     monkeypatch.setattr(autotune, "applies",
                         lambda key, device: REAL_APPLIES(key, torch.device("cuda")))  # fmt: skip
     monkeypatch.setattr(autotune, "candidates", lambda base, **_: [base, {**base, "block_l": 16}])
@@ -53,7 +53,7 @@ def _call(seed=0):
 
 
 def _launched_block_l() -> set[int]:
-    return {config.block_l for config in dispatch._call_configs.values()}
+    return {config.block_l for config in configs._call_configs.values()}
 
 
 def test_a_key_without_an_entry_sweeps_once_and_later_processes_read_the_cache(tuner):
@@ -71,8 +71,8 @@ def test_a_key_without_an_entry_sweeps_once_and_later_processes_read_the_cache(t
 
     # A new process: nothing in memory, the file read back, still no sweep.
     autotune.forget()
-    dispatch._configs.clear()
-    dispatch._call_configs.clear()
+    configs._configs.clear()
+    configs._call_configs.clear()
     _call(seed=2)
     assert autotune.sweeps == before + 1
     assert _launched_block_l() == {entry["block_l"]}
@@ -81,16 +81,16 @@ def test_a_key_without_an_entry_sweeps_once_and_later_processes_read_the_cache(t
 def test_committed_keys_captured_calls_and_switched_off_calls_never_sweep(tuner, monkeypatch):
     before = autotune.sweeps
     with monkeypatch.context() as patch:
-        patch.setattr(dispatch, "committed_source", lambda key: ("hopper.toml", key.table_key()))
+        patch.setattr(configs, "committed_source", lambda key: ("hopper.toml", key.table_key()))
         _call()
     with monkeypatch.context() as patch:
         patch.setattr(autotune, "capturing", lambda device: True)
-        dispatch._call_configs.clear()
+        configs._call_configs.clear()
         _call()
     with monkeypatch.context() as patch:
         patch.setenv("LIK_AUTOTUNE", "0")
-        dispatch._configs.clear()
-        dispatch._call_configs.clear()
+        configs._configs.clear()
+        configs._call_configs.clear()
         _call()
     assert autotune.sweeps == before
     assert not tuner.exists()
@@ -112,7 +112,7 @@ def test_an_unwritable_cache_keeps_the_winner_for_the_process(tuner, monkeypatch
     before = autotune.sweeps
     with caplog.at_level(logging.WARNING, logger="lik.autotune"):
         _call()
-        dispatch._call_configs.clear()
+        configs._call_configs.clear()
         _call(seed=1)
     assert "not written" in caplog.text
     assert autotune.sweeps == before + 1
@@ -212,8 +212,8 @@ def test_a_cached_entry_that_is_not_a_config_is_swept_again(tuner):
     data["entries"][name] = {"block_l": "64", "num_warps": 4}  # edited by hand, wrongly
     tuner.write_text(json.dumps(data))
     autotune.forget()
-    dispatch._configs.clear()
-    dispatch._call_configs.clear()
+    configs._configs.clear()
+    configs._call_configs.clear()
     before = autotune.sweeps
     _call(seed=1)
     assert autotune.sweeps == before + 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lik.cli import main
-from lik.runtime import dispatch
+from lik.runtime import configs, dispatch, heuristics
 from lik.runtime.explain import explain_forward, render
 from lik.runtime.keys import gpu_family
 
@@ -27,14 +27,14 @@ def test_the_plan_is_the_config_a_call_launches(monkeypatch, shape, strategy):
     # A call on this machine (the interpreter without a GPU) remembers the config it
     # launched; the plan for this machine's family must be that config. Blocks of docs
     # are sized for 4 programs, so that 12 short docs stream.
-    monkeypatch.setattr(dispatch, "STREAM_TARGET_PROGRAMS", 4)
+    monkeypatch.setattr(heuristics, "STREAM_TARGET_PROGRAMS", 4)
     nq, nd, lq, ld, d = shape
     generator = torch.Generator().manual_seed(3)
     Q = torch.randn(nq, lq, d, generator=generator).bfloat16().to(DEVICE)
     D = torch.randn(nd, ld, d, generator=generator).bfloat16().to(DEVICE)
-    dispatch._call_configs.clear()
+    configs._call_configs.clear()
     dispatch.forward("dense", Q, D, None, None, False, torch.empty(nq, nd, device=DEVICE))
-    (launched,) = dispatch._call_configs.values()
+    (launched,) = configs._call_configs.values()
     plan = explain_forward(shape, dtype=torch.bfloat16, family=gpu_family(DEVICE))
     assert plan.config == launched
     if DEVICE.type == "cuda":  # the strategies below are planned for an H100's 132 SMs
@@ -55,9 +55,9 @@ def test_a_masked_call_s_plan_is_the_config_it_launches(masks):
     D = torch.randn(nd, ld, d, generator=generator).bfloat16().to(DEVICE)
     q_mask = torch.rand(nq, lq, generator=generator).to(DEVICE) < 0.8 if "q" in masks else None
     d_mask = torch.rand(nd, ld, generator=generator).to(DEVICE) < 0.8 if "d" in masks else None
-    dispatch._call_configs.clear()
+    configs._call_configs.clear()
     dispatch.forward("dense", Q, D, q_mask, d_mask, False, torch.empty(nq, nd, device=DEVICE))
-    ((launched_key, *_), launched), = dispatch._call_configs.items()
+    ((launched_key, *_), launched), = configs._call_configs.items()
     plan = explain_forward(shape, family=gpu_family(DEVICE), q_mask=q_mask is not None,
                            d_mask=d_mask is not None)  # fmt: skip
     assert plan.key.variant == launched_key and plan.config == launched
@@ -80,14 +80,14 @@ def test_a_training_call_s_plan_is_the_configs_it_launches(shape, backward, stra
     generator = torch.Generator().manual_seed(5)
     Q = torch.randn(nq, lq, d, generator=generator).bfloat16().to(DEVICE).requires_grad_()
     D = torch.randn(nd, ld, d, generator=generator).bfloat16().to(DEVICE).requires_grad_()
-    dispatch._call_configs.clear()
-    dispatch._configs.clear()
+    configs._call_configs.clear()
+    configs._configs.clear()
     maxsim(Q, D, backward=backward).sum().backward()
     plan = explain_forward(shape, family=gpu_family(DEVICE), backward=backward)
     assert plan.backward.strategy == strategy
     assert plan.key.variant == f"maxsim_dense_nomask_bf16_triton_{strategy}"
     # The configs the call launched, by kernel ("fwd", "bwd"; the last of a call's fields).
-    launched = {call[-1]: (call[0], config) for call, config in dispatch._call_configs.items()}
+    launched = {call[-1]: (call[0], config) for call, config in configs._call_configs.items()}
     assert launched == {"fwd": (plan.key.variant, plan.config),
                         "bwd": (plan.backward.key.variant, plan.backward.config)}  # fmt: skip
     text = render(plan)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import poisoned, random_mask, relative_error
 
-from lik.runtime import backends, dispatch, fp8, registry
+from lik.runtime import backends, configs, dispatch, fp8, heuristics, registry
 from lik.runtime.keys import KernelKey
 from lik.runtime.reference import maxsim_fp8_reference
 from lik.runtime.tuning import default_config
@@ -160,14 +160,14 @@ def test_fp8_docs_are_walked_one_per_program(monkeypatch):
     def no_streaming(nd, groups):
         raise AssertionError("an fp8 launch asked for streamed doc blocks")
 
-    monkeypatch.setattr(dispatch, "stream_docs_per_program", no_streaming)
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(heuristics, "stream_docs_per_program", no_streaming)
+    monkeypatch.setattr(configs, "_call_configs", {})
     Q8, D8, sq, sd, q_mask, d_mask, ref = _case(3, 7, 5, 37, 32, "token", "tensor", "qd", seed=4)
     out = poisoned((3, 7), DEVICE)
     sq_view, sd_view = fp8._per_token(sq, Q8.shape[:-1]), fp8._per_token(sd, D8.shape[:-1])
     fp8._kernel(out, Q8, D8, sq_view, sd_view, q_mask, d_mask)
-    configs = list(dispatch._call_configs.values())
-    assert configs and all(c.docs_per_program == 1 for c in configs)
+    launched = list(configs._call_configs.values())
+    assert launched and all(c.docs_per_program == 1 for c in launched)
     _check(out, ref, fp8.fp8_path(torch.device(DEVICE)), "one doc per program")
 
 
@@ -188,9 +188,9 @@ def test_query_tile_padded_to_hopper_minimum(monkeypatch):
 
 
 def test_stream_block_size_targets_a_program_count():
-    assert dispatch.stream_docs_per_program(8192, 1) == 8  # 1024 programs
-    assert dispatch.stream_docs_per_program(10, 1) == 1
-    assert dispatch.stream_docs_per_program(10**7, 4) == 64  # capped
+    assert heuristics.stream_docs_per_program(8192, 1) == 8  # 1024 programs
+    assert heuristics.stream_docs_per_program(10, 1) == 1
+    assert heuristics.stream_docs_per_program(10**7, 4) == 64  # capped
 
 
 EDGE_SHAPES = {  # (Nq, Nd, Lq, Ld, d)

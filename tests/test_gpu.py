@@ -17,7 +17,7 @@ from helpers import (
     weighted_gradients,
 )
 
-from lik.runtime import dispatch, maxsim, registry
+from lik.runtime import configs, dispatch, heuristics, maxsim, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -102,8 +102,8 @@ def autotune_on(monkeypatch, tmp_path):
 
     monkeypatch.setenv("LIK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LIK_AUTOTUNE", raising=False)
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
     autotune.forget()
     yield autotune
     autotune.forget()
@@ -118,7 +118,7 @@ def test_gpu_a_key_without_an_entry_sweeps_once_then_launches_its_winner(autotun
     Q = torch.randn(4, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
     D = torch.randn(300, 200, 128, device="cuda", generator=g).to(torch.bfloat16)
     name = "maxsim_dense_nomask_bf16_triton"
-    key = dispatch._call_key(name, registry.load(name), Q, 64, 4 * 300, "fwd")
+    key = configs.call_key(name, registry.load(name), Q, 64, 4 * 300, "fwd")
     assert committed_source(key) is None
     before = autotune_on.sweeps
     out = maxsim(Q, D)
@@ -126,7 +126,7 @@ def test_gpu_a_key_without_an_entry_sweeps_once_then_launches_its_winner(autotun
     ref = maxsim_reference(Q.double(), D.double())
     assert relative_error(out, ref) <= TOLERANCE[torch.bfloat16]
     entry = autotune_on.cached_entry(key)
-    (launched,) = dispatch._call_configs.values()
+    (launched,) = configs._call_configs.values()
     assert (launched.block_l, launched.num_warps, launched.query_group) == (
         entry["block_l"], entry["num_warps"], entry["query_group"])  # fmt: skip
     assert torch.equal(maxsim(Q, D), out) and autotune_on.sweeps == before + 1
@@ -151,9 +151,9 @@ def test_gpu_a_training_key_without_an_entry_sweeps_its_backward_once(autotune_o
     for got, ref in zip(first, want, strict=True):
         assert relative_error(got, ref) <= 2e-2
     name = "maxsim_dense_nomask_bf16_triton_lowmem"
-    key = dispatch._call_key(name, registry.load(name), Q, 64, 16 * 48, "bwd")
+    key = configs.call_key(name, registry.load(name), Q, 64, 16 * 48, "bwd")
     entry = autotune_on.cached_entry(key)
-    launched = dispatch._configs[key]  # the backward's config: the winner's
+    launched = configs._configs[key]  # the backward's config: the winner's
     assert (launched.block_l, launched.num_warps, launched.num_stages) == (
         entry["block_l"], entry["num_warps"], entry["num_stages"])  # fmt: skip
     again = grads(lambda q, d: maxsim(q, d, backward="lowmem"))
@@ -240,8 +240,8 @@ def test_gpu_docs_stored_token_major_score_under_nested_docs(monkeypatch, dtype)
     # Docs whose head dim is not their contiguous axis ([Nd, d, Ld] storage seen as
     # [Nd, Ld, d]) made Triton 3.6's nested-docs loop read an illegal address on an H200
     # (found by a randomized sweep); lik now copies such docs head-contiguous first.
-    monkeypatch.setattr(dispatch, "nested_docs_per_program", lambda config, nq, nd: 8)
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(heuristics, "nested_docs_per_program", lambda config, nq, nd: 8)
+    monkeypatch.setattr(configs, "_call_configs", {})
     monkeypatch.setenv("LIK_AUTOTUNE", "0")
     g = torch.Generator(device="cuda").manual_seed(4)
     Q = torch.randn(59, 19, 100, device="cuda", generator=g).to(dtype)

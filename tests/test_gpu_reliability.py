@@ -280,13 +280,14 @@ def test_concurrent_callers_on_new_buckets(monkeypatch):
 
 
 def test_split_docs_on_two_streams_and_in_a_cuda_graph():
-    from lik.runtime import dispatch, registry, workspace
+    from lik.runtime import configs, registry, workspace
 
     g = torch.Generator(device="cuda").manual_seed(3)
     Q = torch.randn(16, 32, 128, device="cuda", generator=g).bfloat16()
     docs = [torch.randn(32, 8192, 128, device="cuda", generator=g).bfloat16() for _ in range(2)]
     name = "maxsim_dense_nomask_bf16_triton"  # longdoc's shape: its docs split
-    config = dispatch._config(name, registry.load(name), Q, 32, 16 * 32, docs=32, doc_tokens=8192)
+    module = registry.load(name)
+    config = configs.call_config(name, module, Q, 32, 16 * 32, docs=32, doc_tokens=8192)
     assert config.doc_splits > 1
     want = [maxsim(Q, D) for D in docs]
     for D, expected in zip(docs, want, strict=True):

@@ -23,7 +23,7 @@ from helpers import (
     relative_error,
 )
 
-from lik.runtime import backends, dispatch, head, registry
+from lik.runtime import backends, head, registry
 from lik.runtime.head import HeadConfig, maxsim_from_hidden
 from lik.runtime.reference import maxsim_from_hidden_reference, maxsim_reference
 from lik_gen.ir import Variant
@@ -444,7 +444,7 @@ def test_no_argmax_is_saved_without_grad(monkeypatch):
 
 def test_reference_path_matches_and_carries_gradients(monkeypatch):
     """Devices without a Triton path (plain CPU) run the reference, autograd included."""
-    monkeypatch.setattr(dispatch, "backend", lambda device: "reference")
+    monkeypatch.setattr(backends, "device_backend", lambda device: "reference")
     Q, H, W, b, d_mask = _inputs(2, 3, 8, 2, 5, 6, torch.float32, seed=13, mask=True, grad=True)
     out = maxsim_from_hidden(Q, H, W, b, d_mask)
     assert out.dtype == torch.float32
@@ -462,7 +462,7 @@ def test_reference_path_matches_and_carries_gradients(monkeypatch):
 def test_normalize_applies_to_the_projected_docs_only(monkeypatch):
     """normalize=True L2-normalizes the projected doc tokens; queries are used as given,
     so unit queries reproduce maxsim(Q, F.linear(H, W, b), normalize=True)."""
-    monkeypatch.setattr(dispatch, "backend", lambda device: "reference")
+    monkeypatch.setattr(backends, "device_backend", lambda device: "reference")
     Q, H, W, b, _ = _inputs(2, 3, 8, 2, 5, 6, torch.float32, seed=14)
     doubled = maxsim_from_hidden(2 * Q, H, W, b)
     assert torch.allclose(doubled, 2 * maxsim_from_hidden(Q, H, W, b), atol=1e-5)

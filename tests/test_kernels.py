@@ -19,7 +19,16 @@ from helpers import (
     stable_seed,
 )
 
-from lik.runtime import backends, dispatch, maxsim, maxsim_pairs, registry, workspace
+from lik.runtime import (
+    backends,
+    configs,
+    dispatch,
+    heuristics,
+    maxsim,
+    maxsim_pairs,
+    registry,
+    workspace,
+)
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -85,7 +94,7 @@ def test_topk_variant_keeps_each_doc_block_s_best(monkeypatch, name):
     # The retrieval epilogue: each doc block's best per query (empty slots -inf with
     # negative ids), over 13 docs of 37 tokens in blocks of 4 (the last one of 1 doc),
     # against float64 scores.
-    monkeypatch.setattr(dispatch, "TOPK_DOCS_PER_PROGRAM", (4, 4))
+    monkeypatch.setattr(heuristics, "TOPK_DOCS_PER_PROGRAM", (4, 4))
     variant = Variant.parse(name)
     generator = torch.Generator().manual_seed(stable_seed(name))
     Q, D, q_mask, d_mask, _, full = _case(variant, 3, 13, 7, 37, 48, generator)
@@ -117,14 +126,14 @@ def test_topk_variant_keeps_each_doc_block_s_best(monkeypatch, name):
 def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
     # Dense inference streams blocks of docs per program: blocks of 2 and 8 over Nd = 7
     # docs (the last block runs past Nd), each two tiles long (Ld 37), 5 queries in groups.
-    monkeypatch.setattr(dispatch, "stream_docs_per_program", lambda nd, groups: docs_per_program)
-    monkeypatch.setattr(dispatch, "_call_configs", {})  # a cached config would skip the patch
+    monkeypatch.setattr(heuristics, "stream_docs_per_program", lambda nd, groups: docs_per_program)
+    monkeypatch.setattr(configs, "_call_configs", {})  # a cached config would skip the patch
     variant = Variant.parse(name)
     Q, D, q_mask, d_mask, shape, ref = _case(
         variant, 5, 7, 7, 37, 48, torch.Generator().manual_seed(5)
     )
     out = _run(variant, Q, D, q_mask, d_mask, shape)
-    (config,) = dispatch._call_configs.values()
+    (config,) = configs._call_configs.values()
     assert config.docs_per_program == docs_per_program
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
@@ -134,14 +143,14 @@ def test_streamed_doc_blocks(monkeypatch, name, docs_per_program):
 )
 def test_docs_loaded_once(monkeypatch, name):
     # The small-rerank loads (unpipelined, evict-first hint): 1 query, 7 docs of 37 tokens.
-    monkeypatch.setattr(dispatch, "loads_docs_once", lambda config, nq, doc_bytes: True)
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(heuristics, "loads_docs_once", lambda config, nq, doc_bytes: True)
+    monkeypatch.setattr(configs, "_call_configs", {})
     variant = Variant.parse(name)
     Q, D, q_mask, d_mask, shape, ref = _case(
         variant, 1, 7, 7, 37, 48, torch.Generator().manual_seed(4)
     )
     out = _run(variant, Q, D, q_mask, d_mask, shape)
-    assert any(c.evict_docs for c in dispatch._call_configs.values())
+    assert any(c.evict_docs for c in configs._call_configs.values())
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=name)
 
 
@@ -155,12 +164,12 @@ def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
     # in blocks of 2 or 4 (the last block runs past Nd), Ld 77 (two 32-token tiles and
     # 13 tokens, peeled into a 16-token tile or scored in the loop). Doc 3 is fully masked
     # (scores 0) and doc 5 holds a NaN (scores NaN), so each doc's running max is fresh.
-    monkeypatch.setattr(dispatch, "streamed_blocks", lambda config, nq, nd, ld: 1)
+    monkeypatch.setattr(heuristics, "streamed_blocks", lambda config, nq, nd, ld: 1)
     monkeypatch.setattr(
         dispatch, "nested_docs_per_program", lambda config, nq, nd: docs_per_program
     )
-    monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
-    monkeypatch.setattr(dispatch, "_call_configs", {})  # a cached config would skip the patches
+    monkeypatch.setattr(heuristics, "peels_tail", lambda config, ld: peel)
+    monkeypatch.setattr(configs, "_call_configs", {})  # a cached config would skip the patches
     variant = Variant.parse(name)
     Q, D, q_mask, d_mask, shape, _ = _case(
         variant, 5, 7, 7, 77, 48, torch.Generator().manual_seed(3)
@@ -170,7 +179,7 @@ def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
         d_mask[3], d_mask[5, 40] = False, True
     ref = maxsim_reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
     out = _run(variant, Q, D, q_mask, d_mask, shape)
-    (config,) = dispatch._call_configs.values()
+    (config,) = configs._call_configs.values()
     assert (config.docs_per_program, config.peel_tail) == (docs_per_program, peel)
     assert out[:, 5].isnan().all() and ref[:, 5].isnan().all()
     finite = [0, 1, 2, 3, 4, 6]
@@ -191,9 +200,9 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
     # With peel, whole tiles skip the length mask and the partial last tile is scored after
     # them (13 tokens past two 32-token tiles: in a 16-token tile). Twice: the arrival
     # counters are back at 0 after each call, so the second call scores the same.
-    monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: splits)
-    monkeypatch.setattr(dispatch, "peels_tail", lambda config, ld: peel)
-    monkeypatch.setattr(dispatch, "_call_configs", {})  # a cached config would skip the patches
+    monkeypatch.setattr(heuristics, "doc_splits", lambda config, nq, nd, ld, wave: splits)
+    monkeypatch.setattr(heuristics, "peels_tail", lambda config, ld: peel)
+    monkeypatch.setattr(configs, "_call_configs", {})  # a cached config would skip the patches
     variant = Variant.parse(name)
     generator = torch.Generator().manual_seed(9)
     Q, D, q_mask, d_mask, shape, _ = _case(variant, 5, 3, 7, 77, 48, generator)
@@ -202,7 +211,7 @@ def test_split_long_docs(monkeypatch, name, splits, peel):
         d_mask[0], d_mask[2, 70] = False, True
     ref = maxsim_reference(Q.double(), D.double(), q_mask, d_mask, normalize=variant.normalize)
     out = _run(variant, Q, D, q_mask, d_mask, shape)
-    (config,) = dispatch._call_configs.values()
+    (config,) = configs._call_configs.values()
     assert (config.doc_splits, config.peel_tail) == (splits, peel)
     assert ref[:, 2].isnan().any() and torch.equal(out[:, 2].isnan().cpu(), ref[:, 2].isnan().cpu())
     assert_close_to_reference(out[:, :2], ref[:, :2], Q.dtype, interpreter=INTERPRETER, what=name)
@@ -219,7 +228,7 @@ def test_split_long_docs_reduce_every_range(monkeypatch, ranges):
     # 32 * ranges - 10 in ranges of one 32-token tile, where the last few ranges hold the
     # max of some rows, and one token there wins clearly. 20 ranges are reduced in one
     # unrolled step; 70 in two steps of 64, the second past the last range.
-    monkeypatch.setattr(dispatch, "doc_splits", lambda config, nq, nd, ld, wave: ranges)
+    monkeypatch.setattr(heuristics, "doc_splits", lambda config, nq, nd, ld, wave: ranges)
     variant = Variant.parse("maxsim_dense_nomask_bf16_triton")
     generator = torch.Generator().manual_seed(11)
     ld = 32 * ranges - 10
@@ -228,9 +237,9 @@ def test_split_long_docs_reduce_every_range(monkeypatch, ranges):
     ref = maxsim_reference(Q.double(), D.double())
     winners = torch.einsum("qsd,ntd->qnst", Q.double(), D.double()).argmax(-1)
     assert (winners >= 32 * (ranges - 4)).float().mean() > 0.1
-    dispatch._call_configs.clear()
+    configs._call_configs.clear()
     out = _run(variant, Q, D, q_mask, d_mask, shape)
-    (config,) = dispatch._call_configs.values()
+    (config,) = configs._call_configs.values()
     assert config.doc_splits == ranges and (config.block_l == 32 or not INTERPRETER)
     assert_close_to_reference(out, ref, Q.dtype, interpreter=INTERPRETER, what=f"{ranges} ranges")
     assert not any(c.any() for c in workspace._counters.values()), "counters left set"
@@ -318,7 +327,7 @@ def test_queries_past_the_shared_memory_chunk_are_scored_in_chunks(monkeypatch, 
     """Where a query tile would not fit shared memory (fp32 at head dim 256 takes 64 query
     tokens on an H100 or H200), long queries are scored and differentiated in shorter
     chunks that add up to the whole (the chunk forced to 16 here)."""
-    monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: 16)
+    monkeypatch.setattr(heuristics, "query_chunk", lambda module, Q: 16)
     generator = torch.Generator().manual_seed(12)
     Q = torch.randn(2, 40, 24, generator=generator).to(DEVICE)
     D = torch.randn(3, 11, 24, generator=generator).to(DEVICE)

@@ -26,7 +26,7 @@ import torch
 from lik.runtime import (
     api,
     backends,
-    dispatch,
+    configs,
     maxsim,
     maxsim_pairs,
     maxsim_varlen,
@@ -451,7 +451,7 @@ def test_inf_rule_in_every_dense_loop_shape(loop, masked):
     Q, D, q_mask, d_mask = _neg_inf_rows("dense", masked)
     name = f"maxsim_dense_{'qdmask' if masked else 'nomask'}_fp32_triton"
     module = registry.load(name)
-    config = dispatch._config(name, module, Q, Q.shape[1], Q.shape[0])
+    config = configs.call_config(name, module, Q, Q.shape[1], Q.shape[0])
     config = dataclasses.replace(config, **DENSE_LOOPS[loop])
     out = torch.full((2, 4), 123.0)
     module.launch(out, Q, D, validate.byte_mask(q_mask), validate.byte_mask(d_mask),
@@ -470,7 +470,7 @@ def test_masked_as_zero_in_every_dense_loop_shape(loop):
     Q, D, q_mask, d_mask = _negative_rows("dense")
     name = "maxsim_dense_qdzeromask_fp32_triton"
     module = registry.load(name)
-    config = dispatch._config(name, module, Q, Q.shape[1], Q.shape[0])
+    config = configs.call_config(name, module, Q, Q.shape[1], Q.shape[0])
     config = dataclasses.replace(config, **DENSE_LOOPS[loop])
     out = torch.full((2, 4), 123.0)
     module.launch(out, Q, D, validate.byte_mask(q_mask), validate.byte_mask(d_mask),

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import TOLERANCE, poisoned, relative_error
 
-from lik.runtime import backends, dispatch, plaid, registry
+from lik.runtime import backends, configs, plaid, registry
 from lik.runtime.reference import (
     decompress_residual_reference,
     maxsim_residual_reference,
@@ -112,7 +112,7 @@ def test_unpack_inverts_packbits(nbits, dim):
 def _config(name, Q):
     """The generated module and the launch config the runtime would pick for Q."""
     module = registry.load(name)
-    return module, dispatch._config(name, module, Q, Q.shape[1], Q.shape[0])
+    return module, configs.call_config(name, module, Q, Q.shape[1], Q.shape[0])
 
 
 def test_every_residual_variant_is_declared():

@@ -11,7 +11,8 @@ from helpers import TOLERANCE, relative_error
 from lik.runtime import (
     PackedBatch,
     backends,
-    dispatch,
+    configs,
+    heuristics,
     maxsim_padded,
     maxsim_varlen,
     pack_padded,
@@ -288,8 +289,8 @@ def test_empty_batches():
 def test_distinct_maxima_share_one_kernel_entry():
     """Five different max lengths in one Lq bucket reuse one launch-config entry (one
     compiled kernel: the sizes are not specialized on)."""
-    dispatch._configs.clear()
-    dispatch._call_configs.clear()
+    configs._configs.clear()
+    configs._call_configs.clear()
     variant = "maxsim_varlen_nomask_fp32_triton"
     kernel = registry.load(variant).maxsim_varlen_triton_fwd_kernel
     compiled = _compiled_kernels(kernel)  # other tests of this process may have compiled some
@@ -298,7 +299,7 @@ def test_distinct_maxima_share_one_kernel_entry():
         cu_q = _offsets([longest, 3])
         Q = torch.randn(longest + 3, 24, device=DEVICE)
         maxsim_varlen(Q, D, cu_q, cu_d)
-    keys = [k for k in dispatch._configs if k.variant.startswith("maxsim_varlen")]
+    keys = [k for k in configs._configs if k.variant.startswith("maxsim_varlen")]
     assert [k.variant for k in keys] == [variant]
     if DEVICE == "cuda":  # and Triton compiled the kernel once at most, not once per length
         assert len(_compiled_kernels(kernel) - compiled) <= 1
@@ -344,7 +345,7 @@ def test_pack_padded_and_maxsim_padded_match_masked_pairs():
 def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, fitting):
     # Past what one packed launch holds (forced to 16 tokens here), the padded batch is
     # scored as maxsim's KD layout with length masks: the same scores, chunked.
-    monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: fitting)
+    monkeypatch.setattr(heuristics, "query_chunk", lambda module, Q: fitting)
     taken = []
     for path in ("maxsim", "score_pairs_packed"):
         real = getattr(ragged, path)
@@ -429,7 +430,7 @@ def test_ragged_queries_longer_than_fit_are_refused(monkeypatch):
     # Packed queries are scored whole: where a query tile of max_seqlen_q tokens would not
     # fit shared memory (fp32 at head dim 256 past 64 tokens on an H100 or H200), the call
     # says so instead of failing at launch.
-    monkeypatch.setattr(dispatch, "query_chunk", lambda module, Q: 16)
+    monkeypatch.setattr(heuristics, "query_chunk", lambda module, Q: 16)
     Q = torch.randn(20, 8, device=DEVICE)
     D = torch.randn(5, 8, device=DEVICE)
     cu_q = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)

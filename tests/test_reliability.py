@@ -26,7 +26,7 @@ import torch.distributed as dist
 from helpers import INTERPRETER_FP32_TOLERANCE, TOLERANCE, jit_functions, relative_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lik.runtime import backends, dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime import backends, configs, maxsim, maxsim_pairs, registry
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik.runtime.retrieval import merge_top_k, retrieve, retrieve_sharded
 from lik.runtime.scorer import MaxSimScorer
@@ -788,8 +788,8 @@ def run_concurrent_new_buckets(monkeypatch, device, threads=8):
     and config cache): returns ({module: times imported}, [relative error per caller])."""
     monkeypatch.setattr(registry, "_kernels", {})
     monkeypatch.setattr(registry, "_bound", {})
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
     imports = collections.Counter()
     real_import = importlib.import_module
 
@@ -828,7 +828,7 @@ def test_concurrent_callers_load_each_module_once_and_get_correct_scores(monkeyp
     assert sorted(imports) == ["lik.generated.triton.maxsim_dense_triton"]
     assert set(imports.values()) == {1}, imports
     assert all(e is not None and e < _tolerance(torch.float32) for e in errors), errors
-    assert len(dispatch._configs) == 8  # one per (variant, head dim, Lq bucket) key
+    assert len(configs._configs) == 8  # one per (variant, head dim, Lq bucket) key
 
 
 # ---------------------------------------------------------------------------------------

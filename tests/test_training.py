@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TOLERANCE, padded_variant_names, relative_error, stable_seed
 
-from lik.runtime import api, backends, dispatch, maxsim, maxsim_pairs, registry
+from lik.runtime import api, backends, configs, maxsim, maxsim_pairs, registry, tuning
 from lik.runtime.reference import maxsim_pairs_reference, maxsim_reference
 from lik_gen.ir import Variant
 
@@ -120,14 +120,14 @@ def test_a_second_backward_of_one_forward_gives_the_same_gradients(backward):
 
 def _force_column_argmax(monkeypatch, column_argmax):
     """Every config the runtime looks up from here on keeps (or not) its argmax by column."""
-    real = dispatch.config_for
+    real = tuning.config_for
 
     def config_for(key, smem_bytes, entry=None):
         return dataclasses.replace(real(key, smem_bytes, entry), column_argmax=column_argmax)
 
-    monkeypatch.setattr(dispatch, "config_for", config_for)
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(configs, "config_for", config_for)
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
 
 
 COLUMN_ARGMAX_VARIANTS = [
@@ -145,7 +145,7 @@ def test_column_argmax_gradients(monkeypatch, name):
                      False)  # fmt: skip
     out, gq, gd = _run("dense", *inputs, variant.normalize, variant.backward.value)
     ref, rq, rd = _reference("dense", *inputs, variant.normalize)
-    assert any(c.column_argmax for c in dispatch._call_configs.values())
+    assert any(c.column_argmax for c in configs._call_configs.values())
     assert relative_error(out, ref) < (1e-5 if INTERPRETER else TOLERANCE[dtype])
     tolerance = _gradient_tolerance(dtype)
     assert relative_error(gq, rq) < tolerance, f"grad_Q error {relative_error(gq, rq):.3g}"

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import tune  # noqa: E402 (benchmarks/, on the path above)
 
-from lik.runtime import dispatch, registry
+from lik.runtime import configs, dispatch, heuristics, registry
 from lik.runtime.explain import key_for, once_key
 from lik.runtime.keys import LQ_CHUNK, KernelKey
 from lik.runtime.tuning import SMEM_LIMIT, LaunchConfig, config_for, load_table
@@ -27,9 +27,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def streamed(config, *args, **kwargs):
-    """dispatch.streamed on a GPU that holds 264 programs at once (an H100's 132 SMs at
+    """heuristics.streamed on a GPU that holds 264 programs at once (an H100's 132 SMs at
     two each)."""
-    return dispatch.streamed(config, *args, wave=264, **kwargs)
+    return heuristics.streamed(config, *args, wave=264, **kwargs)
 
 
 @pytest.mark.parametrize("shape", tune.SHAPES, ids=[s[0] for s in tune.SHAPES])
@@ -44,20 +44,20 @@ def test_benchmark_shapes_resolve_to_hopper_entries(shape):
 @pytest.mark.parametrize("nbits", (2, 4, 8))
 def test_plaid_benchmark_cases_resolve_to_hopper_entries(nbits, monkeypatch):
     """Every bench_plaid case (both layouts, fp16 centroids) has a committed Hopper entry,
-    under the key a Hopper call builds (dispatch._call_key), which the sweep that wrote the
+    under the key a Hopper call builds (configs.call_key), which the sweep that wrote the
     entries also built (bench_plaid.table_key)."""
     bench_plaid = pytest.importorskip("bench_plaid")
     from lik.runtime import plaid
 
-    monkeypatch.setattr(dispatch, "gpu_family", lambda device: "hopper")
-    monkeypatch.setattr(dispatch, "gpu_card", lambda device: "")
+    monkeypatch.setattr(configs, "gpu_family", lambda device: "hopper")
+    monkeypatch.setattr(configs, "gpu_card", lambda device: "")
     assert nbits in bench_plaid.NBITS
     for n_docs in bench_plaid.CANDIDATES:
         for layout in ("dense", "varlen"):
             name = plaid._variant(layout, torch.empty(0, dtype=torch.float16), nbits)
             # The query as each layout's launch takes it: [1, Lq, d] dense, packed varlen.
             shape = (1, bench_plaid.LQ, bench_plaid.DIM)[layout == "varlen":]
-            call = dispatch._call_key(name, registry.load(name), torch.empty(shape),
+            call = configs.call_key(name, registry.load(name), torch.empty(shape),
                                       bench_plaid.LQ, n_docs, "fwd")  # fmt: skip
             swept = bench_plaid.table_key(name, n_docs, bench_plaid.DIM, "hopper")
             assert swept.table_key() == call.table_key()
@@ -99,9 +99,9 @@ def test_a_docs_once_call_takes_the_tile_of_its_once_key(monkeypatch):
 
     from lik.runtime import maxsim, tuning
 
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
-    monkeypatch.setattr(dispatch, "loads_docs_once", lambda config, nq, doc_bytes: True)
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
+    monkeypatch.setattr(heuristics, "loads_docs_once", lambda config, nq, doc_bytes: True)
     asked = []
 
     def recording_config_for(key, smem_bytes, entry=None):
@@ -111,12 +111,12 @@ def test_a_docs_once_call_takes_the_tile_of_its_once_key(monkeypatch):
             config = dataclasses.replace(config, block_l=16, num_warps=2)
         return config
 
-    monkeypatch.setattr(dispatch, "config_for", recording_config_for)
+    monkeypatch.setattr(configs, "config_for", recording_config_for)
     Q = torch.randn(1, 5, 16, device=DEVICE)
     D = torch.randn(3, 40, 16, device=DEVICE)
     out = maxsim(Q, D)
     assert asked == ["fwd", "once"]
-    (config,) = dispatch._call_configs.values()
+    (config,) = configs._call_configs.values()
     tile = (config.block_l, config.num_warps, config.num_stages, config.evict_docs)
     assert tile == (16, 2, 1, True)
     ref = torch.einsum("sd,ntd->nst", Q[0].double(), D.double()).amax(-1).sum(-1)
@@ -235,16 +235,16 @@ def test_a_masked_key_without_an_entry_takes_its_unmasked_twin_s(monkeypatch):
 def test_a_call_keys_its_config_by_the_gpu_it_runs_on(monkeypatch):
     from lik.runtime import maxsim, tuning
 
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
-    monkeypatch.setattr(dispatch, "gpu_card", lambda device: "a card")
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
+    monkeypatch.setattr(configs, "gpu_card", lambda device: "a card")
     cards = []
 
     def recording_config_for(key, smem_bytes, entry=None):
         cards.append(key.card)
         return tuning.config_for(key, smem_bytes, entry)
 
-    monkeypatch.setattr(dispatch, "config_for", recording_config_for)
+    monkeypatch.setattr(configs, "config_for", recording_config_for)
     maxsim(torch.randn(2, 5, 16, device=DEVICE), torch.randn(3, 20, 16, device=DEVICE))
     assert cards and set(cards) == {"a card"}
 
@@ -263,15 +263,15 @@ def test_backward_kernels_take_their_own_tuning_key(monkeypatch):
 
     from lik.runtime import maxsim, tuning
 
-    monkeypatch.setattr(dispatch, "_configs", {})
-    monkeypatch.setattr(dispatch, "_call_configs", {})
+    monkeypatch.setattr(configs, "_configs", {})
+    monkeypatch.setattr(configs, "_call_configs", {})
     asked = []
 
     def recording_config_for(key, smem_bytes, entry=None):
         asked.append(key)
         return tuning.config_for(key, smem_bytes, entry)
 
-    monkeypatch.setattr(dispatch, "config_for", recording_config_for)
+    monkeypatch.setattr(configs, "config_for", recording_config_for)
     Q = torch.randn(3, 5, 16, device=DEVICE, requires_grad=True)
     D = torch.randn(4, 7, 16, device=DEVICE, requires_grad=True)
     maxsim(Q, D, backward="lowmem").sum().backward()
@@ -322,16 +322,16 @@ def test_only_few_long_docs_split_into_token_ranges():
     # calls of 256 programs or more unsplit; streamed blocks of short docs never split.
     config = LaunchConfig(32, 64, 128, 8, 3, query_group=8)
     wave = 264  # an H100 holding two such programs per SM
-    assert dispatch.doc_splits(config, nq=16, nd=32, ld=8192, wave=wave) == 4  # longdoc: 64
-    assert dispatch.doc_splits(config, nq=16, nd=32, ld=8192, wave=396) == 8  # 6.2 -> 8
-    assert dispatch.doc_splits(config, nq=1, nd=1, ld=8192, wave=wave) == 32  # 4 tiles a range
-    assert dispatch.doc_splits(config, nq=1, nd=1, ld=64 * 12, wave=wave) == 2  # 3 ranges of 4
-    assert dispatch.doc_splits(config, nq=1, nd=200, ld=1024, wave=wave) == 1  # 1.3 -> 1
-    assert dispatch.doc_splits(config, nq=1, nd=1000, ld=1024, wave=2000) == 1  # 256+
-    assert dispatch.doc_splits(config, nq=1, nd=4, ld=7 * 64, wave=wave) == 1  # too short
-    split = dispatch.streamed(config, nq=16, nd=32, ld=8192, wave=wave)
+    assert heuristics.doc_splits(config, nq=16, nd=32, ld=8192, wave=wave) == 4  # longdoc: 64
+    assert heuristics.doc_splits(config, nq=16, nd=32, ld=8192, wave=396) == 8  # 6.2 -> 8
+    assert heuristics.doc_splits(config, nq=1, nd=1, ld=8192, wave=wave) == 32  # 4 tiles a range
+    assert heuristics.doc_splits(config, nq=1, nd=1, ld=64 * 12, wave=wave) == 2  # 3 ranges of 4
+    assert heuristics.doc_splits(config, nq=1, nd=200, ld=1024, wave=wave) == 1  # 1.3 -> 1
+    assert heuristics.doc_splits(config, nq=1, nd=1000, ld=1024, wave=2000) == 1  # 256+
+    assert heuristics.doc_splits(config, nq=1, nd=4, ld=7 * 64, wave=wave) == 1  # too short
+    split = heuristics.streamed(config, nq=16, nd=32, ld=8192, wave=wave)
     assert (split.docs_per_program, split.doc_splits) == (1, 4)
-    split = dispatch.streamed(config, nq=1, nd=4, ld=128, wave=wave)
+    split = heuristics.streamed(config, nq=1, nd=4, ld=128, wave=wave)
     assert (split.docs_per_program, split.doc_splits) == (1, 1)
 
 
@@ -339,24 +339,24 @@ def test_a_wave_is_the_programs_the_gpu_holds_at_once():
     # Shared memory (plus 1 KB reserved per program) and 128 registers per thread bound
     # an SM's share; the measured splits of
     # commit d2c3490 follow.
-    h100 = dispatch.H100_MULTIPROCESSORS
+    h100 = heuristics.H100_MULTIPROCESSORS
     longdoc = LaunchConfig(32, 64, 128, 8, 3, query_group=8)  # 112 KB: 2 per SM
-    assert dispatch.programs_per_wave(longdoc, 112 * 1024, h100) == 264
+    assert heuristics.programs_per_wave(longdoc, 112 * 1024, h100) == 264
     thin = LaunchConfig(32, 128, 128, 2, 2)  # 72 KB on 2 warps: 3 per SM
-    assert dispatch.programs_per_wave(thin, 72 * 1024, h100) == 396
-    assert dispatch.doc_splits(thin, nq=1, nd=8, ld=32768, wave=396) == 64  # 49.5
-    assert dispatch.doc_splits(thin, nq=1, nd=32, ld=8192, wave=396) == 16  # 12.4
-    assert dispatch.doc_splits(thin, nq=1, nd=1, ld=2**20, wave=2112) == 256  # at most
+    assert heuristics.programs_per_wave(thin, 72 * 1024, h100) == 396
+    assert heuristics.doc_splits(thin, nq=1, nd=8, ld=32768, wave=396) == 64  # 49.5
+    assert heuristics.doc_splits(thin, nq=1, nd=32, ld=8192, wave=396) == 16  # 12.4
+    assert heuristics.doc_splits(thin, nq=1, nd=1, ld=2**20, wave=2112) == 256  # at most
     registers = LaunchConfig(32, 64, 128, 8, 3, query_group=2)  # 64 KB fits 3; registers 2
-    assert dispatch.programs_per_wave(registers, 64 * 1024, h100) == 264
+    assert heuristics.programs_per_wave(registers, 64 * 1024, h100) == 264
     tiny = LaunchConfig(16, 16, 16, 1, 1)  # registers: 16 one-warp programs
-    assert dispatch.programs_per_wave(tiny, 1024, h100) == 132 * 16
-    assert dispatch.programs_per_wave(longdoc, 300 * 1024, h100) == 132  # at least one
-    assert dispatch.multiprocessors(CPU) == h100
+    assert heuristics.programs_per_wave(tiny, 1024, h100) == 132 * 16
+    assert heuristics.programs_per_wave(longdoc, 300 * 1024, h100) == 132  # at least one
+    assert heuristics.multiprocessors(CPU) == h100
     # Through a module, as a call derives it: the module's shared memory, the device's SMs.
     dense = registry.load("maxsim_dense_nomask_bf16_triton")
-    assert dispatch.streamed_for(dense, longdoc, 16, 32, 8192, 0, CPU).doc_splits == 4
-    assert dispatch.streamed_for(dense, thin, 1, 8, 32768, 0, CPU).doc_splits == 64
+    assert heuristics.streamed_for(dense, longdoc, 16, 32, 8192, 0, CPU).doc_splits == 4
+    assert heuristics.streamed_for(dense, thin, 1, 8, 32768, 0, CPU).doc_splits == 64
 
 
 def test_many_long_docs_under_a_stacked_query_tile_nest_a_few_per_program():
@@ -387,7 +387,7 @@ def test_small_reranks_load_their_docs_once_with_evict_first_hints():
     colbert = streamed(thin, nq=1, nd=1000, ld=300, doc_bytes=1000 * 300 * 128 * 2)
     assert colbert.evict_docs
     assert (colbert.block_l, colbert.num_warps, colbert.num_stages) == (64, 2, 1)
-    tiled = dispatch.with_once_tiles(colbert, LaunchConfig(32, 32, 128, 1, 1))
+    tiled = heuristics.with_once_tiles(colbert, LaunchConfig(32, 32, 128, 1, 1))
     assert (tiled.block_l, tiled.num_warps, tiled.num_stages, tiled.evict_docs) == (32, 1, 1, True)
     text_long = streamed(thin, nq=1, nd=1000, ld=1024, doc_bytes=1000 * 1024 * 256)
     assert not text_long.evict_docs and text_long == streamed(thin, 1, 1000, 1024)
@@ -402,8 +402,8 @@ def test_small_reranks_load_their_docs_once_with_evict_first_hints():
     dense = registry.load("maxsim_dense_nomask_bf16_triton")
     plaid = registry.load("maxsim_dense_nomask_bf16_triton_norm_res2")
     assert dense.EVICT_DOCS_OPTION and not plaid.EVICT_DOCS_OPTION
-    assert dispatch.streamed_for(dense, thin, 1, 1000, 300, 1000 * 300 * 256, CPU).evict_docs
-    assert not dispatch.streamed_for(plaid, thin, 1, 1000, 300, 1000 * 300 * 256, CPU).evict_docs
+    assert heuristics.streamed_for(dense, thin, 1, 1000, 300, 1000 * 300 * 256, CPU).evict_docs
+    assert not heuristics.streamed_for(plaid, thin, 1, 1000, 300, 1000 * 300 * 256, CPU).evict_docs
 
 
 def test_long_docs_with_a_partial_tile_peel_it():
@@ -434,17 +434,17 @@ def test_the_tail_tile_covers_what_is_left_of_a_doc(ld, block_l):
         assert width >= left and (width == 16 or width < 2 * left)
     # Dispatch's test for a narrower tail (docs of two whole tiles peel only then) agrees.
     stacked = LaunchConfig(32, block_l, 128, 8, 3, query_group=8)
-    assert dispatch.peels_tail(stacked, 2 * block_l + left) == (0 < left and width < block_l)
+    assert heuristics.peels_tail(stacked, 2 * block_l + left) == (0 < left and width < block_l)
 
 
 def test_only_short_docs_stream_in_blocks():
     # Docs of at most two tiles stream (sized for ~1024 programs, capped at 64 per
     # program); longer docs keep one program per doc, and so do calls already that wide.
     config = LaunchConfig(32, 64, 128, 4, 3, query_group=4)
-    assert dispatch.streamed_blocks(config, nq=16, nd=100_000, ld=128) == 64
-    assert dispatch.streamed_blocks(config, nq=16, nd=8192, ld=100) == 32
-    assert dispatch.streamed_blocks(config, nq=256, nd=256, ld=300) == 1  # five tiles
-    assert dispatch.streamed_blocks(config, nq=1, nd=1000, ld=128) == 1  # 1000 programs
+    assert heuristics.streamed_blocks(config, nq=16, nd=100_000, ld=128) == 64
+    assert heuristics.streamed_blocks(config, nq=16, nd=8192, ld=100) == 32
+    assert heuristics.streamed_blocks(config, nq=256, nd=256, ld=300) == 1  # five tiles
+    assert heuristics.streamed_blocks(config, nq=1, nd=1000, ld=128) == 1  # 1000 programs
 
 
 def test_call_configs_are_remembered_per_call_shape_and_bounded(monkeypatch):
@@ -452,23 +452,23 @@ def test_call_configs_are_remembered_per_call_shape_and_bounded(monkeypatch):
 
     from lik.runtime import registry
 
-    monkeypatch.setattr(dispatch, "_call_configs", {})
-    monkeypatch.setattr(dispatch, "CALL_CONFIG_CACHE_SIZE", 3)
+    monkeypatch.setattr(configs, "_call_configs", {})
+    monkeypatch.setattr(configs, "CALL_CONFIG_CACHE_SIZE", 3)
     name = "maxsim_dense_nomask_bf16_triton"
     module = registry.load(name)
     Q = torch.randn(16, 32, 128)
 
     def config(nd, ld):
-        return dispatch._config(name, module, Q, 32, 16 * nd, docs=nd, doc_tokens=ld)
+        return configs.call_config(name, module, Q, 32, 16 * nd, docs=nd, doc_tokens=ld)
 
     long_docs = config(32, 8192)
     assert long_docs.doc_splits > 1  # the per-call derivation is part of what is cached
-    assert config(32, 8192) is long_docs and len(dispatch._call_configs) == 1
+    assert config(32, 8192) is long_docs and len(configs._call_configs) == 1
     short_docs = config(32, 128)  # same tuning key, other sizes: its own derivation
-    assert short_docs.doc_splits == 1 and len(dispatch._call_configs) == 2
+    assert short_docs.doc_splits == 1 and len(configs._call_configs) == 2
     config(33, 128)
     config(34, 128)  # a fourth shape clears the full cache first
-    assert len(dispatch._call_configs) == 1
+    assert len(configs._call_configs) == 1
     assert config(32, 8192) == long_docs
 
 
@@ -598,12 +598,12 @@ def test_query_chunks_and_stacking_fit_the_shared_memory():
     fp32 = registry.load("maxsim_dense_nomask_fp32_triton")
     bf16 = registry.load("maxsim_dense_nomask_bf16_triton")
     assert fp32.smem_bytes(128, 16, 256, 1) == 288 * 1024
-    chunk = dispatch.family_query_chunk
+    chunk = heuristics.family_query_chunk
     assert [chunk(fp32, d, "hopper") for d in (256, 200, 128)] == [64, 64, 128]
     assert [chunk(bf16, d, "hopper") for d in (256, 128)] == [256, LQ_CHUNK]
     assert chunk(fp32, 256, "interpreter") == LQ_CHUNK
     for family in [*SMEM_LIMIT, "some other family"]:  # the chunk's fast path holds for all
-        assert chunk(fp32, 256, family) >= dispatch.ALWAYS_FITTING_QUERY_TOKENS
+        assert chunk(fp32, 256, family) >= heuristics.ALWAYS_FITTING_QUERY_TOKENS
     # A default entry stacking two 64-token fp32 queries at head dim 256 would need 384 KB
     # even unpipelined: one query per tile.
     key = KernelKey("maxsim_dense_nomask_fp32_triton", "hopper", 256, 64, "s", 8, "fwd", "")
