@@ -68,8 +68,8 @@ def keyed_config(
     if not getattr(module, "DOC_STREAM", False):  # streaming modules: never a "bwd" key
         return config
     dense_bytes = docs * doc_tokens * Q.shape[-1] * Q.element_size()
-    return stream_config(module, config, lambda: config_of_key(name, module, Q, lq, programs, "once"),
-                         Q.shape[0], docs, doc_tokens, dense_bytes, Q.device)  # fmt: skip
+    once = lambda: config_of_key(name, module, Q, lq, programs, "once")  # noqa: E731
+    return stream_config(module, config, once, Q.shape[0], docs, doc_tokens, dense_bytes, Q.device)
 
 
 def autotune_call(name: str, module, Q: torch.Tensor, lq: int, programs: int, docs: int,

@@ -35,6 +35,12 @@ def unit_head_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def _query_tokens(module, Q: torch.Tensor, lq: int) -> int:
+    """Query tokens one launch of `module` scores: query_chunk's, without asking it for
+    queries short enough to fit whatever the variant (this runs every call)."""
+    return LQ_CHUNK if lq <= ALWAYS_FITTING_QUERY_TOKENS else heuristics.query_chunk(module, Q)
+
+
 def _chunks(lq: int, chunk: int = LQ_CHUNK):
     """Query-token ranges scored per launch: `chunk` tokens at most."""
     return [(start, min(lq, start + chunk)) for start in range(0, lq, chunk)]
@@ -159,7 +165,7 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
     per_token = {key: value for key, value in per_token.items() if value is not None}
     sizes = {"docs": docs, "doc_tokens": doc_tokens, "adjust": adjust}
     # One launch, no slicing: the common case (this runs every call).
-    tokens = LQ_CHUNK if lq <= ALWAYS_FITTING_QUERY_TOKENS else heuristics.query_chunk(module, Q)
+    tokens = _query_tokens(module, Q, lq)
     if lq <= tokens:
         return launch_keyed(name, module, Q, lq, out, Q=Q, **shared, **per_token, **sizes)
     for start, stop in _chunks(lq, tokens):
@@ -218,7 +224,7 @@ def backward(
     module = registry.load(name)
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     grad_q_chunks, grad_d = [], None
-    for start, stop in _chunks(lq, heuristics.query_chunk(module, Q)):  # the forward's chunks
+    for start, stop in _chunks(lq, _query_tokens(module, Q, lq)):  # the forward's chunks
         whole = stop - start == lq
         chunk_q = Q if whole else Q[:, start:stop]
         chunk_argmax = argmax if whole else argmax[..., start:stop]
