@@ -43,10 +43,10 @@ def device_backend(device: torch.device) -> str:
     """The backend a device offers: 'triton', 'interpreter', 'metal' or 'reference'."""
     if device.type == "cuda" and TRITON_AVAILABLE:
         return "triton"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and TRITON_AVAILABLE:
-        return "interpreter"
     if metal.handles(device):
         return "metal"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and TRITON_AVAILABLE:
+        return "interpreter"
     return "reference"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 
 import torch
 
@@ -23,7 +24,6 @@ from lik.runtime.keys import (
     next_power_of_two,
     variant_name,
 )
-from lik.runtime.launch_cache import _current_device, hooks_set, launches_every_kernel_cached
 from lik.runtime.workspace import raw_stream
 
 
@@ -74,18 +74,23 @@ def _launch(launch, config, *args, **kwargs):
     if _fitted:
         config = _fitted.get((launch, requested), requested)
     key, tensors = launch_plan.signature(launch, config, args, kwargs)
-    if key is not None:
+    # A CUDA launch: its generated module has loaded launch_cache (which imports Triton,
+    # so importing lik does not).
+    cache = sys.modules.get("lik.runtime.launch_cache")
+    if key is not None and cache is not None:
         planned = launch_plan.lookup(key)
         if planned is not launch_plan.NOT_PLANNED:
             plan, ran = planned
-            if plan is not None and not hooks_set():
+            if plan is not None and not cache.hooks_set():
                 device = key[-1]
-                if device == _current_device():
+                if device == cache._current_device():
                     return plan.replay(tensors, raw_stream(device)), ran
             key = None  # recorded already: launch as the launcher does
-        elif not launches_every_kernel_cached(launch):
+        elif not cache.launches_every_kernel_cached(launch):
             launch_plan.remember(key, (None, config))
             key = None
+    else:
+        key = None
     while True:
         log = launch_plan.Recording(tensors) if key is not None else contextlib.nullcontext()
         try:

@@ -166,7 +166,7 @@ def test_nested_doc_blocks(monkeypatch, name, docs_per_program, peel):
     # (scores 0) and doc 5 holds a NaN (scores NaN), so each doc's running max is fresh.
     monkeypatch.setattr(heuristics, "streamed_blocks", lambda config, nq, nd, ld: 1)
     monkeypatch.setattr(
-        dispatch, "nested_docs_per_program", lambda config, nq, nd: docs_per_program
+        heuristics, "nested_docs_per_program", lambda config, nq, nd: docs_per_program
     )
     monkeypatch.setattr(heuristics, "peels_tail", lambda config, ld: peel)
     monkeypatch.setattr(configs, "_call_configs", {})  # a cached config would skip the patches
