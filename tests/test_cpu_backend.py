@@ -334,6 +334,46 @@ def test_chunked_equals_unchunked(monkeypatch, layout, dtype, normalize):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mask", ("d_prefix", "d_holes", "qd"))
+@pytest.mark.parametrize("normalize, masked_as_zero", [(False, False), (True, False),
+                                                       (False, True)])  # fmt: skip
+def test_packed_masks_equal_in_place(monkeypatch, dtype, mask, normalize, masked_as_zero):
+    """Dense doc masks scored packed (valid tokens gathered, docs longest first) and in
+    place (masked rows filled with -inf) agree, winners included, and match the reference;
+    small budgets split the packed docs into many steps."""
+    g = torch.Generator().manual_seed(stable_seed(str(dtype), mask, normalize, "pack"))
+    q_shape, d_shape, _ = _shapes("dense", 3, 8, 9, 20, 16)
+    Q = torch.randn(q_shape, generator=g).to(dtype)
+    D = torch.randn(d_shape, generator=g).to(dtype)
+    q_mask, d_mask = _masks(mask, q_shape, d_shape, g)
+    d_mask[2, :] = False
+    d_mask[3, :] = True
+    runs = {}
+    budgets = (cpu.SIM_BUDGET, cpu.PACK_BUDGET)
+    for name, gain, (sims, packed) in (("in place", 10**9, budgets), ("packed", 0, budgets),
+                                       ("packed, split", 0, (40, 40))):  # fmt: skip
+        monkeypatch.setattr(cpu, "PACK_GAIN", dict.fromkeys(cpu.PACK_GAIN, gain))
+        monkeypatch.setattr(cpu, "SIM_BUDGET", sims)
+        monkeypatch.setattr(cpu, "PACK_BUDGET", packed)
+        runs[name] = [
+            _forward(
+                "dense", Q, D, q_mask, d_mask, normalize, training=t, masked_as_zero=masked_as_zero
+            )
+            for t in (False, True)
+        ]
+    ref = _reference("dense", Q.double(), D.double(), q_mask, d_mask, normalize, masked_as_zero)
+    base = runs.pop("in place")
+    for name, run in runs.items():
+        for (out, argmax), (out_b, argmax_b) in zip(run, base, strict=True):
+            torch.testing.assert_close(out, out_b, rtol=1e-6, atol=1e-6, msg=name)
+            assert (argmax is None) == (argmax_b is None)
+            if argmax is not None:
+                assert torch.equal(argmax, argmax_b), name
+    for out, _ in base:
+        _check_scores(out, ref, dtype, f"{dtype} {mask}")
+
+
 @pytest.mark.parametrize("bound", ("similarities", "doc tokens"))
 def test_chunk_steps_are_bounded(monkeypatch, bound):
     """A step takes as many docs as the budgets allow: 1 query x 64 docs with room for 4
