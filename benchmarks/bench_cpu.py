@@ -28,6 +28,7 @@ import argparse
 import os
 import platform
 import re
+import resource
 import statistics
 import sys
 import time
@@ -196,6 +197,28 @@ def scratch_mib() -> float:
     return sum(b.numel() * b.element_size() for b in buffers.values()) / 2**20
 
 
+def _busy_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process has run, CPU seconds this one has), or None where
+    /proc/stat cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    total = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return total, usage.ru_utime + usage.ru_stime
+
+
+def other_load(start, stop, seconds: float) -> float | None:
+    """Cores other processes kept busy between two _busy_seconds readings: a cell timed
+    beside other work is slowed by more than its share (lik's many short parallel steps
+    most: each waits for a thread the other work holds)."""
+    if start is None or stop is None or seconds <= 0:
+        return None
+    return max(0.0, (stop[0] - start[0]) - (stop[1] - start[1])) / seconds
+
+
 def interleaved_ms(calls: dict, repeats: int) -> dict:
     """Median ms per call of each callable, warm (two calls first), called in turn."""
     for call in calls.values():
@@ -238,8 +261,10 @@ def run_cell(cell: Cell, dtype_name: str, repeats: int) -> dict:
         err = relative_error(out, ref)
         results[name].update(rel_err=err, parity_ok=err < BOUND[dtype_name])
         calls[name] = call
+    before, started = _busy_seconds(), time.perf_counter()
     for name, ms in interleaved_ms(calls, repeats).items():
         results[name]["ms"] = ms
+    load = other_load(before, _busy_seconds(), time.perf_counter() - started)
     sims = cell.nq * cell.lq * cell.nd * cell.ld * torch.finfo(dtype).bits // 8
     memory = {"lik": scratch_mib(), "torch flat matmul": sims / 2**20,
               "torch einsum": sims / 2**20}  # fmt: skip
@@ -247,14 +272,14 @@ def run_cell(cell: Cell, dtype_name: str, repeats: int) -> dict:
     speedup = {peer: results[peer]["ms"] / lik_ms
                for peer in PEERS if lik_ms and results[peer]["ms"]}  # fmt: skip
     return {"cell": cell.name, "dims": cell.dims, "mask": cell.mask, "dtype": dtype_name,
-            "results": results, "speedup_of_lik": speedup,
+            "results": results, "speedup_of_lik": speedup, "other_load_cores": load,
             "estimated_peak_extra_mib": memory}  # fmt: skip
 
 
 def markdown(report: dict) -> str:
     env = report["env"]
     headers = ["cell", "dtype", *(f"{name} ms" for name in IMPLEMENTATIONS),
-               *(f"lik vs {peer}" for peer in PEERS)]  # fmt: skip
+               *(f"lik vs {peer}" for peer in PEERS), "other load"]  # fmt: skip
     rows = []
     for record in report["cells"]:
         cells = [f"{record['cell']} ({record['dims']})", record["dtype"]]
@@ -267,6 +292,8 @@ def markdown(report: dict) -> str:
                 cells.append(format_ms(result["ms"]) + flag)
         cells += [format_ratio(record["speedup_of_lik"].get(peer)) if peer in
                   record["speedup_of_lik"] else "n/a" for peer in PEERS]  # fmt: skip
+        load = record["other_load_cores"]
+        cells.append("—" if load is None else f"{load:.2f}")
         rows.append(cells)
     memory_rows = [[f"{r['cell']} ({r['dims']})", r["dtype"],
                     *(f"{r['estimated_peak_extra_mib'][k]:.1f}"
@@ -278,7 +305,9 @@ def markdown(report: dict) -> str:
         f"Median ms of warm calls ({report['repeats']} each, {REFERENCE_REPEATS} for lik's "
         "reference), implementations interleaved call by call; \"lik vs X\" is X's time "
         "over lik's (above 1: lik is faster). Unit-norm inputs; every output checked "
-        "against float64 (fp32 < 1e-3, bf16 < 1e-2; a failing one is flagged).\n\n"
+        "against float64 (fp32 < 1e-3, bf16 < 1e-2; a failing one is flagged). \"other "
+        "load\": cores other processes kept busy while the cell ran (/proc/stat less this "
+        "process); a cell timed beside other work is no measure of either.\n\n"
         + markdown_table(headers, rows)
         + "\n\nEstimated peak extra memory (MiB): lik's scratch buffers after the call; the "
         "compositions' materialized similarities (maxsim-cpu's is not known here).\n\n"
@@ -309,7 +338,8 @@ def main(argv=None) -> int:
             report["cells"].append(record)
             times = ", ".join(f"{name} {format_ms(r['ms'])}" for name, r in
                               record["results"].items() if r["ms"] is not None)  # fmt: skip
-            print(f"{cell.name} {dtype_name}: {times}", flush=True)
+            print(f"{cell.name} {dtype_name}: {times}; other load "
+                  f"{record['other_load_cores']}", flush=True)  # fmt: skip
     text = markdown(report)
     categories = [f"{r['cell']} {r['dtype']}" for r in report["cells"]]
     series = {f"vs {peer}": [r["speedup_of_lik"].get(peer) for r in report["cells"]]
