@@ -41,7 +41,7 @@ CLIENT_SDISTS := $(VENV)/client-sdists
 CLIENT_SDISTS_STAMP := $(CLIENT_SDISTS)/.lik-sdists-done
 
 .PHONY: setup setup-demo setup-test setup-integrations setup-st6 generate check lint test \
-	test-clients test-st6 demo bench soak tune test-gpu clean
+	test-clients test-st6 demo bench bench-cpu soak tune test-gpu clean
 
 # Everything: what the demo needs, then what the tests add.
 setup: setup-demo setup-test
@@ -110,6 +110,12 @@ BENCHES := forward train backward ragged retrieve variants fp8 plaid head cold_s
 
 bench:
 	for name in $(BENCHES); do python3 benchmarks/bench_$$name.py --out benchmarks/results || exit 1; done
+
+# The CPU backend against PyTorch's compositions and maxsim-cpu, on this machine's CPU
+# (maxsim-cpu installs beside the test setup; the suite records it missing otherwise).
+bench-cpu: setup-test
+	$(VPY) -m pip install -q maxsim-cpu==0.1.0 matplotlib || true
+	$(VPY) benchmarks/bench_cpu.py --out benchmarks/results
 
 # Random public calls against the float64 reference on this GPU, SOAK_WORKERS processes
 # for SOAK_SECONDS each (compiling dominates); writes benchmarks/results/soak/<card>.*.

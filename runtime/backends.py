@@ -6,7 +6,9 @@ Backends:
   TRITON_INTERPRET=1 (CI's path: slow, for tests);
 - "metal": the generated Metal kernels on Apple GPUs (lik.runtime.metal, which keeps
   calls outside its envelope on the reference);
-- "reference": plain PyTorch (lik.runtime.reference), autograd-aware, everywhere else.
+- "cpu": chunked matrix products on a CPU (lik.runtime.cpu), for maxsim and maxsim_pairs;
+- "reference": plain PyTorch (lik.runtime.reference), autograd-aware, everywhere else
+  (and the float64 ground truth of the tests).
 
 Each op family names the backends that implement it (FAMILY_BACKENDS); a call of a
 family on another backend's device takes the reference. Entries ask `route` once per
@@ -29,7 +31,7 @@ GENERATED_TRITON = ("triton", "interpreter")
 # the other token scores; packed (ragged) batches; the top-k epilogue; fp8; PLAID
 # residuals; the fused head.
 FAMILY_BACKENDS = {
-    "maxsim": (*GENERATED_TRITON, "metal"),
+    "maxsim": (*GENERATED_TRITON, "metal", "cpu"),
     "scored": (*GENERATED_TRITON, "metal"),
     "ragged": GENERATED_TRITON,
     "topk": GENERATED_TRITON,
@@ -40,13 +42,14 @@ FAMILY_BACKENDS = {
 
 
 def device_backend(device: torch.device) -> str:
-    """The backend a device offers: 'triton', 'interpreter', 'metal' or 'reference'."""
+    """The backend a device offers: 'triton', 'interpreter', 'metal', 'cpu' or 'reference'."""
     if device.type == "cuda" and TRITON_AVAILABLE:
         return "triton"
     if metal.handles(device):
         return "metal"
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and TRITON_AVAILABLE:
-        return "interpreter"
+    if device.type == "cpu":
+        interpreting = os.environ.get("TRITON_INTERPRET") == "1" and TRITON_AVAILABLE
+        return "interpreter" if interpreting else "cpu"
     return "reference"
 
 
@@ -74,5 +77,6 @@ def describe_backend(device: torch.device | str) -> str:
     return {
         "triton": f"generated Triton ({device.type})",
         "interpreter": "generated Triton under the interpreter (cpu)",
+        "cpu": "lik's CPU backend (chunked matmuls; other entries: reference PyTorch)",
         "reference": f"reference PyTorch ({device.type})",
     }[backend]

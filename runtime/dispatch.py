@@ -1,6 +1,7 @@
 """Validated call -> KernelKey -> generated kernel -> launch, for the op families'
 kernel backends (lik.runtime.backends picks the backend: Triton on CUDA or under the
-interpreter, lik.runtime.metal on MPS).
+interpreter; maxsim's forward and backward hand MPS calls to lik.runtime.metal and CPU
+calls to lik.runtime.cpu).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import torch
 
-from lik.runtime import backends, heuristics, launch_plan, metal, registry, validate
+from lik.runtime import backends, cpu, heuristics, launch_plan, metal, registry, validate
 from lik.runtime.configs import call_config
 from lik.runtime.heuristics import (
     ALWAYS_FITTING_QUERY_TOKENS,
@@ -139,7 +140,11 @@ def forward(
         if argmax is not None:
             argmax.fill_(-1)  # no winners; on the kernel path the kernel writes every entry
         return out.zero_()
-    if backends.of(Q) == "metal":  # the generated Metal kernels
+    backend = backends.of(Q)
+    if backend == "cpu":  # chunked matmuls (lik.runtime.cpu)
+        return cpu.forward(layout, Q, D, q_mask, d_mask, normalize, out, backward=backward,
+                           argmax=argmax, masked_as_zero=masked_as_zero)  # fmt: skip
+    if backend == "metal":  # the generated Metal kernels
         if masked_as_zero:
             raise NotImplementedError("no Metal kernel reads a doc mask as zeros")
         return metal.forward(
@@ -219,7 +224,11 @@ def backward(
     lq = Q.shape[1]
     if grad_out.numel() == 0 or lq == 0 or D.shape[-2] == 0:
         return torch.zeros_like(Q), torch.zeros_like(D)
-    if backends.of(Q) == "metal":  # the generated Metal kernels
+    backend = backends.of(Q)
+    if backend == "cpu":
+        return cpu.backward(layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize,
+                            strategy, masked_as_zero)  # fmt: skip
+    if backend == "metal":  # the generated Metal kernels
         return metal.backward(
             layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, strategy
         )

@@ -17,10 +17,11 @@ os.environ.setdefault("LIK_AUTOTUNE", "0")
 os.environ.setdefault("LIK_SUPPRESS_NORM_WARN", "1")
 
 
-@pytest.fixture(params=["reference", "interpreter"])
+@pytest.fixture(params=["cpu", "interpreter"])
 def lik_path(request, monkeypatch):
-    """Which lik path a CPU call takes: the reference, or the kernels under the interpreter."""
-    if request.param == "reference":
+    """Which lik path a CPU call takes: the CPU backend (maxsim; the reference for the other
+    entries), or the kernels under the interpreter."""
+    if request.param == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     elif torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU (above)")

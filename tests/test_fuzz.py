@@ -10,7 +10,7 @@ read as zeros (PyLate's convention, lik.runtime.api.maxsim_masked_as_zero).
 The reference below (`expected`) sanitizes masked positions itself and shares no code
 with lik.runtime.reference; its rule is the one that module's docstring writes down.
 
-Both CPU paths run: the reference path on small shapes, the generated kernels under the
+Both CPU paths run: the CPU backend path on small shapes, the generated kernels under the
 Triton interpreter on tiny ones. Every group prints its case counts (pytest -s) and
 records them as test properties. Under a minute in all on a 2-core CPU;
 LIK_FUZZ_CASES=10 draws ten times as many cases.
@@ -46,7 +46,7 @@ CUDA_GRAD_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2}
 @dataclasses.dataclass(frozen=True)
 class Case:
     seed: int
-    path: str  # "reference", "interpreter" or "cuda"
+    path: str  # "cpu", "interpreter" or "cuda"
     entry: str
     dtype: torch.dtype
     nq: int
@@ -373,7 +373,7 @@ def _cases(path, count):
 
 
 def _use_path(path, monkeypatch):
-    if path == "reference":
+    if path == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     elif torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU (make soak covers GPUs)")
@@ -403,9 +403,9 @@ def _run_group(cases, record_property, group):
 quiet_numpy = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def test_fuzz_reference_path(monkeypatch, record_property):
-    _use_path("reference", monkeypatch)
-    _run_group(_cases("reference", REFERENCE_CASES), record_property, "reference path")
+def test_fuzz_cpu_path(monkeypatch, record_property):
+    _use_path("cpu", monkeypatch)
+    _run_group(_cases("cpu", REFERENCE_CASES), record_property, "cpu path")
 
 
 @quiet_numpy
@@ -427,7 +427,7 @@ def test_the_draws_cover_what_the_fuzz_promises():
     """The seeded draws reach every entry, the odd head dims, empty sizes, both mask
     sides, every poison and backward, on both paths (a change to Case.draw that lost one
     would fail here, not go unnoticed)."""
-    for path, count in (("reference", REFERENCE_CASES), ("interpreter", INTERPRETER_CASES)):
+    for path, count in (("cpu", REFERENCE_CASES), ("interpreter", INTERPRETER_CASES)):
         cases = _cases(path, count)
         assert {c.entry for c in cases} == set(ENTRIES), path
         assert set(HEAD_DIMS) <= {c.d for c in cases}, path

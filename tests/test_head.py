@@ -30,7 +30,7 @@ from lik_gen.ir import Variant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
-KERNELS = backends.device_backend(torch.device(DEVICE)) != "reference"
+KERNELS = backends.device_backend(torch.device(DEVICE)) in backends.GENERATED_TRITON
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no Triton path on this machine")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

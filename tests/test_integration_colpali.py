@@ -126,7 +126,7 @@ def _assert_same(actual, expected, tensors, path):
     assert out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **FP32)
     for grad, ref_grad, tensor in zip(grads, ref_grads, tensors, strict=True):
-        if path == "interpreter":  # ties among zero rows resolve differently (module doc)
+        if path != "reference":  # kernels resolve ties among zero rows differently (module doc)
             real = (tensor != 0).any(-1)
             grad, ref_grad = grad[real], ref_grad[real]
         torch.testing.assert_close(grad, ref_grad, **FP32)
@@ -231,7 +231,7 @@ def test_negative_doc_loss_with_offset(lik_calls, monkeypatch, loss_class):
     N = _docs(2, K, LD, DIM, generator=g)
     loss = loss_class()
     actual, expected = _routed_and_original(lambda Q, D, N: loss(Q, D, N, offset=2), [Q, D, N])
-    _assert_same(actual, expected, [Q, D, N], "reference")
+    _assert_same(actual, expected, [Q, D, N], "cpu")
     assert "maxsim_pairs" in lik_calls
 
 

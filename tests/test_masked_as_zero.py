@@ -141,11 +141,12 @@ def _entry(layout, backward=None):
     return score
 
 
-def _bounds(dtype):
-    """(scores, gradients) bounds: DESIGN.md's on a GPU; on a CPU the dots run in fp32 or
-    wider on both paths (the interpreter's too), so scores are held to 1e-5, and only
-    gradients, which come back in the input dtype, keep a 16-bit dtype's rounding."""
-    if DEVICE == "cuda":
+def _bounds(dtype, path):
+    """(scores, gradients) bounds: DESIGN.md's on a GPU and for the CPU backend's 16-bit
+    scores (its bf16 dots round like eager PyTorch's); under the interpreter the dots run
+    in fp32 or wider, so scores are held to 1e-5, and only gradients, which come back in
+    the input dtype, keep a 16-bit dtype's rounding."""
+    if DEVICE == "cuda" or (path == "cpu" and dtype != torch.float32):
         return TOLERANCE[dtype], TOLERANCE[dtype]
     return 1e-5, 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
 
@@ -163,7 +164,7 @@ def test_scores_and_gradients_match_the_reference(lik_path, layout, shape, dtype
     ref, ref_q, ref_d = _grads(lambda q, d: _reference(layout, q, d, q_mask, d_mask), Q64, D64)
     own = _reference(layout, Q64, D64, q_mask, d_mask, masked_as_zero=False)
     _assert_zero_wins(ref, own, D)
-    bound, grad_bound = _bounds(dtype)
+    bound, grad_bound = _bounds(dtype, lik_path)
     if backward is None:
         out = score(Q, D, q_mask, d_mask)
         assert out.dtype == torch.float32 and not out.isnan().any()
@@ -178,7 +179,7 @@ def test_scores_and_gradients_match_the_reference(lik_path, layout, shape, dtype
 
 
 def _kernel_path():
-    if backends.device_backend(torch.device(DEVICE)) == "reference":
+    if backends.device_backend(torch.device(DEVICE)) not in backends.GENERATED_TRITON:
         pytest.skip("no Triton path on this machine")
 
 

@@ -79,7 +79,7 @@ def interpreter_path(monkeypatch):
 def _paths_and_poisons():
     """(path, poison) pairs of the padding matrices: every poison on the reference path,
     INTERPRETED_POISONS under the interpreter."""
-    pairs = [("reference", poison) for poison in POISONS]
+    pairs = [("cpu", poison) for poison in POISONS]
     pairs += [("interpreter", poison) for poison in INTERPRETED_POISONS]
     return [pytest.param(path, poison, id=f"{path}-{poison}") for path, poison in pairs]
 
@@ -338,7 +338,7 @@ INF_CASES = {
 def _inf_params():
     return [
         pytest.param(path, case, id=f"{path}-{case}")
-        for path in ("reference", "interpreter")
+        for path in ("cpu", "interpreter")
         for case in INF_CASES
     ]
 
@@ -369,7 +369,7 @@ SCORED_INF_CASES = {
 
 def _scored_inf_params():
     params = []
-    for path in ("reference", "interpreter"):
+    for path in ("cpu", "interpreter"):
         for score in SCORED_INF_CASES:
             for mask in (False, True):
                 name = f"{path}-{score}-{'all-True mask' if mask else 'no mask'}"

@@ -28,7 +28,7 @@ from lik_gen.ir import Variant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
-KERNELS = backends.device_backend(torch.device(DEVICE)) != "reference"
+KERNELS = backends.device_backend(torch.device(DEVICE)) in backends.GENERATED_TRITON
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no Triton path on this machine")
 TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 FIXTURES = Path(__file__).parent / "fixtures" / "plaid"

@@ -33,7 +33,7 @@ from lik.runtime.scorer import MaxSimScorer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETER = DEVICE == "cpu"
-KERNELS = backends.device_backend(torch.device(DEVICE)) != "reference"
+KERNELS = backends.device_backend(torch.device(DEVICE)) in backends.GENERATED_TRITON
 needs_kernels = pytest.mark.skipif(not KERNELS, reason="no Triton path on this machine")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Every structural MaxSim kernel (each serves all its masks, normalize values and dtypes).
@@ -278,15 +278,15 @@ def test_non_finite_inputs_on_the_kernel_path(case, layout):
 
 
 @quiet_numpy
-@pytest.mark.parametrize("path", ["kernel", "reference"])
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
 @pytest.mark.parametrize("where", ["query", "winning"])
 @pytest.mark.parametrize("value", [NAN, INF])
 def test_non_finite_values_in_masked_positions_are_ignored(value, where, path, monkeypatch):
-    if path == "reference":
+    if path == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     elif not KERNELS:
         pytest.skip("no Triton path on this machine")
-    device = "cpu" if path == "reference" else DEVICE
+    device = "cpu" if path == "cpu" else DEVICE
     Q, D, q_mask, d_mask = _nonfinite_case(where, value, "dense", True, masked=True)
     out = _score("dense", Q, D, q_mask, d_mask, True, device=device)
     clean = _score("dense", Q.nan_to_num(0, 0, 0), D.nan_to_num(0, 0, 0), q_mask, d_mask, True,

@@ -20,6 +20,8 @@ common = pytest.importorskip("common")
 SUITES = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
 SUITES.add("soak")
 CARD = re.compile(r"[A-Z]{1,2}\d{2,4}[A-Za-z]?")
+# The CPU suite's cards: vendor and model, then the cores the run had ("AMD_EPYC_2c").
+CPU_CARD = re.compile(r"[A-Z]+(_[A-Za-z0-9]+)*_\d+c")
 FILES = sorted(p for p in RESULTS.rglob("*") if p.is_file())
 JSONS = [p for p in FILES if p.suffix == ".json"]
 DOCS = [
@@ -43,7 +45,8 @@ def test_every_file_is_a_suite_s_latest_result_for_one_card(path):
     assert len(relative.parts) == 2, f"{relative}: results go to <suite>/<card>.<ext>"
     suite, name = relative.parts
     assert suite in SUITES, f"{relative}: no benchmark writes suite {suite!r}"
-    assert CARD.fullmatch(path.stem), f"{relative}: {path.stem!r} is not a card's short name"
+    card = CPU_CARD if suite == "cpu" else CARD
+    assert card.fullmatch(path.stem), f"{relative}: {path.stem!r} is not a card's short name"
     assert path.suffix in (".json", ".md", ".png"), relative
     assert path.with_suffix(".json").is_file(), f"{relative} has no JSON beside it"
 
