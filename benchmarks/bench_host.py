@@ -149,7 +149,8 @@ def peer_rows(x: Inputs) -> dict:
 
         def packed_pairs(q, d):
             bounds = {"max_seqlen_q": s["Lq"], "max_seqlen_d": s["Ld"]}
-            return lik045.score_pairs_packed(q, d, x.cu_q, x.cu_d, x.pair_q, x.pair_d, **bounds)
+            packed = __import__("late_interaction_kernels.score_pairs").score_pairs
+            return packed.score_pairs_packed(q, d, x.cu_q, x.cu_d, x.pair_q, x.pair_d, **bounds)
 
         def varlen(q, d):
             return lik045.maxsim_varlen(q, d, x.cu_q, x.cu_d, s["Lq"], s["Ld"])
