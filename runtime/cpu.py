@@ -16,9 +16,8 @@ Numerics follow lik.runtime.reference: the max keeps NaN; a masked doc token nev
 a query token with no valid doc token adds 0 (the mask decides, not the value: a valid
 row of -inf similarities is a real -inf); masked query tokens add 0; masked_as_zero lets
 a masked doc token compete with similarity 0. Scores accumulate in fp32. fp32 and fp16
-inputs multiply in fp32 (IEEE); bf16 scoring multiplies in bf16 with fp32 accumulation,
-so its similarities round to bf16 as eager PyTorch's do (the max is exact in any dtype);
-bf16 training multiplies in fp32 (_matmul_dtype).
+and 16-bit inputs multiply in fp32 (IEEE), so scores land within fp32 rounding of the
+float64 reference (_matmul_dtype).
 """
 
 from __future__ import annotations
@@ -59,12 +58,11 @@ EPS = 1e-12  # F.normalize's: x / max(||x||, EPS)
 
 
 def _matmul_dtype(dtype: torch.dtype, training: bool) -> torch.dtype:
-    """bf16 scoring multiplies in bf16 (2.5x fp32's speed with AVX512-BF16), whose
-    similarities round to bf16 as eager PyTorch's do; training multiplies in fp32, so
-    that a rounding tie does not hand a token's gradient to the wrong doc token. fp16 has
-    no fast CPU matmul (7x slower than fp32 at 6000 x 128 x 32): fp32."""
-    if dtype == torch.bfloat16 and not training:
-        return torch.bfloat16
+    """Every dtype multiplies in fp32 (IEEE): products of 16-bit inputs are exact there,
+    so scores land within fp32 rounding of the float64 reference, as the GPU kernels'
+    do. bf16 matmuls ran 2.5x faster with AVX512-BF16, but round every similarity to
+    bf16 (relative 4e-3), enough to reorder a retrieval's near ties; fp16 has no fast CPU
+    matmul (7x slower than fp32 at 6000 x 128 x 32)."""
     return torch.float32
 
 
