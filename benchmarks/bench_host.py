@@ -51,6 +51,9 @@ ROUNDS = 5
 # GPU cycles the spin starts at (about 0.2 s on an H200); a round whose calls outlast it
 # (the GPU caught up, so the GPU may have paced them) runs again on a spin twice as long.
 SPIN_CYCLES = 4 * 10**8
+# Doublings before a cell gives up: calls that outlast a 6 s spin wait on the GPU (a host
+# sync), so no spin can keep them host-bound.
+MAX_DOUBLINGS = 5
 FORWARD_TARGET_US = 25
 STEP_TARGET_US = 150
 PEERS = ("lik", "LIK 0.4.5", "flash-maxsim 0.3.0")
@@ -62,7 +65,7 @@ def host_us(fn, calls: int) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    best, spin, rounds = float("inf"), SPIN_CYCLES, 0
+    best, spin, rounds, doublings = float("inf"), SPIN_CYCLES, 0, 0
     while rounds < ROUNDS:
         torch.cuda._sleep(spin)
         spun = torch.cuda.Event()
@@ -74,6 +77,10 @@ def host_us(fn, calls: int) -> float:
         caught_up = spun.query()
         torch.cuda.synchronize()
         if caught_up:
+            doublings += 1
+            if doublings > MAX_DOUBLINGS:
+                raise RuntimeError(f"{calls} calls outlasted a spin of {spin:.1e} cycles: "
+                                   "they wait on the GPU")  # fmt: skip
             spin *= 2
             continue
         best, rounds = min(best, elapsed * 1e6 / calls), rounds + 1

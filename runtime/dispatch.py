@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import threading
 
 import torch
 
@@ -58,6 +59,45 @@ def _smaller(config):
     return None
 
 
+_local = threading.local()  # .launches: what _launch ran while a call is captured, else None
+
+
+def _captured(plan, tensors) -> None:
+    launches = getattr(_local, "launches", None)
+    if launches is not None:
+        launches.append((plan, tensors))
+
+
+def _replayed(key: tuple, call_tensors: tuple):
+    """The result of replaying a call signature's single launch on this call's tensors,
+    or NOT_PLANNED where it has none (or a launch hook, or another current device, asks
+    for the launcher's own path)."""
+    entry = launch_plan.call_plan(key)
+    if not entry:
+        return launch_plan.NOT_PLANNED
+    plan, sources, device = entry
+    cache = sys.modules.get("lik.runtime.launch_cache")
+    if cache is None or cache.hooks_set() or device != cache._current_device():
+        return launch_plan.NOT_PLANNED
+    return plan.replay([None if s is None else call_tensors[s] for s in sources],
+                       raw_stream(device))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _capturing(key: tuple | None, call_tensors: tuple):
+    """Runs a call's launches and, where the call signature is new, remembers whether
+    it made a single replayable launch (launch_plan.remember_call)."""
+    if key is None or launch_plan.call_plan(key) is not None:
+        yield
+        return
+    outer, _local.launches = getattr(_local, "launches", None), []
+    try:
+        yield
+        launch_plan.remember_call(key, _local.launches, call_tensors)
+    finally:
+        _local.launches = outer
+
+
 # (launcher, config) that did not fit this process's GPU -> the smaller config that
 # did. Empty on the GPUs the table was tuned for, so the hot path pays only a truth test.
 _fitted: dict = {}
@@ -85,6 +125,7 @@ def _launch(launch, config, *args, **kwargs):
             if plan is not None and not cache.hooks_set():
                 device = key[-1]
                 if device == cache._current_device():
+                    _captured(plan, tensors)
                     return plan.replay(tensors, raw_stream(device)), ran
             key = None  # recorded already: launch as the launcher does
         elif not cache.launches_every_kernel_cached(launch):
@@ -92,6 +133,8 @@ def _launch(launch, config, *args, **kwargs):
             key = None
     else:
         key = None
+    if key is None:
+        _captured(None, None)
     while True:
         log = launch_plan.Recording(tensors) if key is not None else contextlib.nullcontext()
         try:
@@ -107,7 +150,9 @@ def _launch(launch, config, *args, **kwargs):
         if config is not requested:
             _fitted[(launch, requested)] = config
         if key is not None:
-            launch_plan.remember(key, (log.plan(result), config))
+            plan = log.plan(result)
+            launch_plan.remember(key, (plan, config))
+            _captured(plan, tensors)
         return result, config
 
 
@@ -150,15 +195,29 @@ def forward(
         return metal.forward(
             layout, Q, D, q_mask, d_mask, normalize, out, backward=backward, argmax=argmax
         )
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
+    q_bytes, d_bytes = validate.byte_mask(q_mask), validate.byte_mask(d_mask)
+    call = (out, Q, D, q_bytes, d_bytes, argmax)
+    key = _call_key(backend, call, "forward", layout, normalize, backward, masked_as_zero)
+    if key is not None and _replayed(key, call) is not launch_plan.NOT_PLANNED:
+        return out
     name = variant_name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype,
                         backward=backward, masked_as_zero=masked_as_zero)  # fmt: skip
-    Q, D = unit_head_stride(Q), unit_head_stride(D)
     shared = {"D": D}
-    if d_mask is not None:
-        shared["d_mask"] = validate.byte_mask(d_mask)
-    per_token = {"q_mask": validate.byte_mask(q_mask), "argmax": argmax}
-    return launch_in_query_chunks(name, out, Q, per_token, shared, docs=D.shape[0],
-                                  doc_tokens=D.shape[-2])  # fmt: skip
+    if d_bytes is not None:
+        shared["d_mask"] = d_bytes
+    per_token = {"q_mask": q_bytes, "argmax": argmax}
+    with _capturing(key, call):
+        return launch_in_query_chunks(name, out, Q, per_token, shared, docs=D.shape[0],
+                                      doc_tokens=D.shape[-2])  # fmt: skip
+
+
+def _call_key(backend: str, call_tensors: tuple, *flags) -> tuple | None:
+    """A CUDA call's signature for launch_plan's call plans: its flags and each of its
+    tensors' launch_plan.tensor_key; None off CUDA."""
+    if backend != "triton":
+        return None
+    return (*flags, *map(launch_plan.tensor_key, call_tensors))
 
 
 def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_tokens=0,
@@ -232,11 +291,26 @@ def backward(
         return metal.backward(
             layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask, normalize, strategy
         )
+    Q, D = unit_head_stride(Q), unit_head_stride(D)
+    call = (grad_out, argmax, Q, D)
+    key = _call_key(backend, call, "backward", layout, has_q_mask, has_d_mask, normalize,
+                    strategy, masked_as_zero)  # fmt: skip
+    if key is not None:
+        grads = _replayed(key, call)
+        if grads is not launch_plan.NOT_PLANNED:
+            return grads
+    with _capturing(key, call):
+        return _backward_in_query_chunks(layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask,
+                                         normalize, strategy, masked_as_zero)  # fmt: skip
+
+
+def _backward_in_query_chunks(layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask,
+                              normalize, strategy, masked_as_zero):  # fmt: skip
     # The variant's backward kernels read only the argmax: masked_as_zero names the variant.
     name = variant_name(layout, has_q_mask, has_d_mask, normalize, Q.dtype, backward=strategy,
                         masked_as_zero=masked_as_zero)  # fmt: skip
     module = registry.load(name)
-    Q, D = unit_head_stride(Q), unit_head_stride(D)
+    lq = Q.shape[1]
     grad_q_chunks, grad_d = [], None
     for start, stop in _chunks(lq, _query_tokens(module, Q, lq)):  # the forward's chunks
         whole = stop - start == lq

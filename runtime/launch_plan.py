@@ -288,3 +288,44 @@ def remember(key: tuple, plan: Plan | None) -> None:
 def clear() -> None:
     """Forgets every plan (for tests that swap a launcher's kernels)."""
     _plans.clear()
+    _calls.clear()
+
+
+# Calls that made one replayable launch (dispatch's forward and backward of the padded
+# layouts): each call signature's (Plan, the call tensor that fills each of the
+# launcher's slots, device index), so that a repeat replays the plan without looking up
+# its variant, config and launcher signature again. False: a signature that does not.
+_calls: dict[tuple, tuple | bool] = {}
+
+
+def tensor_key(t: _Tensor | None):
+    """What a launch's work depends on of one tensor: shape, strides, dtype, device and
+    16-byte alignment (as signature's key holds them); None for an absent tensor."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+
+
+def call_plan(key: tuple):
+    """A call signature's (plan, sources, device), False where it made no single
+    replayable launch, or None where it was not seen."""
+    return _calls.get(key)
+
+
+def remember_call(key: tuple, launches: list, call_tensors: tuple) -> None:
+    """Remembers a call from the launches it made ((plan or None, launcher tensors) each):
+    one replayable launch whose every tensor is one of call_tensors (by identity, as the
+    call passed them) gives its plan; anything else gives False."""
+    if len(_calls) >= PLAN_CACHE_SIZE:
+        _calls.clear()
+    entry = False
+    if len(launches) == 1 and launches[0][0] is not None:
+        plan, tensors = launches[0]
+        ids = [id(t) for t in call_tensors]
+        try:
+            sources = tuple(None if t is None else ids.index(id(t)) for t in tensors)
+        except ValueError:  # a tensor the call did not pass as it is (a copy)
+            sources = None
+        if sources is not None:
+            entry = (plan, sources, next(t for t in tensors if t is not None).get_device())
+    _calls[key] = entry

@@ -139,6 +139,30 @@ def test_cpu_calls_have_no_signature():
     assert launch_plan.signature(_launcher, None, (out, X, mask), {"n": 5}) == (None, None)
 
 
+def test_a_call_with_one_replayable_launch_replays_it_from_its_own_tensors():
+    """A call plan maps each launcher slot to the call tensor that filled it, so that a
+    repeat of the call replays the launch on its new tensors without the launcher's
+    signature; a call whose launcher met a copy, or that made two launches or one
+    without a plan, keeps its own path (False)."""
+    out, X, mask = _inputs(0)
+    extra = torch.zeros(1)
+    plan = _record(_launcher, [out, X, mask], n=5)
+    launch_plan.clear()
+    launch_plan.remember_call(("one",), [(plan, [out, X, mask, None])], (extra, X, out, mask))
+    entry, sources, _ = launch_plan.call_plan(("one",))
+    assert entry is plan and sources == (2, 1, 3, None)
+    new = _inputs(1)
+    call = (extra, new[1], new[0], new[2])
+    replayed = plan.replay([None if s is None else call[s] for s in sources], stream=0)
+    assert torch.equal(replayed, _launcher(*_inputs(1), n=5))
+    launch_plan.remember_call(("copy",), [(plan, [out.clone(), X, mask])], (out, X, mask))
+    launch_plan.remember_call(("two",), [(plan, [out, X, mask])] * 2, (out, X, mask))
+    launch_plan.remember_call(("none",), [(None, None)], (out, X, mask))
+    assert [launch_plan.call_plan((k,)) for k in ("copy", "two", "none")] == [False] * 3
+    assert launch_plan.call_plan(("unseen",)) is None
+    launch_plan.clear()
+    assert launch_plan.call_plan(("one",)) is None
+
 def test_plans_are_recorded_only_where_every_entry_kernel_launches_through_the_cache(
     monkeypatch,
 ):
@@ -250,3 +274,9 @@ def test_replayed_plans_score_and_train_as_the_reference(name, training):
             assert relative_error(gd, rd) < TOLERANCE[torch.bfloat16]
     plans = [plan for plan, _ in launch_plan._plans.values()]
     assert plans and all(plan is not None for plan in plans), "every launcher replays"
+    # Calls of one launch (all but split long docs' forward) replay from their own tensors.
+    calls = {key[0]: entry for key, entry in launch_plan._calls.items()}
+    if name != "split-long-docs":
+        assert calls.get("forward"), "the forward replays as a call plan"
+    if training:
+        assert calls.get("backward"), "the backward replays as a call plan"
