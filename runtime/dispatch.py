@@ -149,10 +149,12 @@ def _launch(launch, config, *args, **kwargs):
             continue
         if config is not requested:
             _fitted[(launch, requested)] = config
-        if key is not None:
+        if key is not None and not log.aliased:
             plan = log.plan(result)
             launch_plan.remember(key, (plan, config))
             _captured(plan, tensors)
+        elif key is not None:
+            _captured(None, None)
         return result, config
 
 

@@ -81,7 +81,10 @@ class Recording:
         self.slots = {id(t): i for i, t in enumerate(tensors) if t is not None}
         self.inputs = len(tensors)
         self.steps: list[tuple] = []
-        self.replayable = True
+        # One tensor passed twice (maxsim(Q, Q)): its uses cannot be told apart, and the
+        # signature's next call may pass two tensors. Not replayed, and not remembered.
+        self.aliased = len(self.slots) < sum(t is not None for t in tensors)
+        self.replayable = not self.aliased
 
     def __enter__(self):
         self.outer = recording()
@@ -315,7 +318,11 @@ def call_plan(key: tuple):
 def remember_call(key: tuple, launches: list, call_tensors: tuple) -> None:
     """Remembers a call from the launches it made ((plan or None, launcher tensors) each):
     one replayable launch whose every tensor is one of call_tensors (by identity, as the
-    call passed them) gives its plan; anything else gives False."""
+    call passed them) gives its plan; anything else gives False. A call that passes one
+    tensor twice is not remembered (see Recording.aliased)."""
+    present = [id(t) for t in call_tensors if t is not None]
+    if len(set(present)) < len(present):  # aliased: as Recording.aliased, not remembered
+        return
     if len(_calls) >= PLAN_CACHE_SIZE:
         _calls.clear()
     entry = False

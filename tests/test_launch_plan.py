@@ -125,6 +125,17 @@ def test_a_launch_off_the_logged_path_refuses_the_plan():
     assert _record(refuses, list(_inputs(0)), n=5) is None
 
 
+def test_a_tensor_passed_twice_is_neither_replayed_nor_remembered():
+    """maxsim(Q, Q)'s signature equals that of two tensors of Q's shape: a log of the
+    aliased call would send both arguments to one slot on the next call."""
+    out, X, mask = _inputs(0)
+    with Recording([out, X, X]) as log:
+        _log_launch(_kernel, (X, X, out, 5))
+    assert log.aliased and log.plan(out) is None
+    launch_plan.clear()
+    launch_plan.remember_call(("aliased",), [(None, None)], (out, X, X))
+    assert launch_plan.call_plan(("aliased",)) is None  # the next call is recorded afresh
+
 def test_recordings_nest_and_close():
     assert launch_plan.recording() is None
     with Recording([]) as outer:
@@ -280,3 +291,30 @@ def test_replayed_plans_score_and_train_as_the_reference(name, training):
         assert calls.get("forward"), "the forward replays as a call plan"
     if training:
         assert calls.get("backward"), "the backward replays as a call plan"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+def test_a_call_on_one_tensor_twice_does_not_steer_the_next_calls(training):
+    """maxsim(Q, Q) first, then calls of two distinct tensors of the same signature: each
+    scores (and trains) as the reference, the aliased call's tensor in neither slot."""
+    from lik.runtime import maxsim
+    from lik.runtime.reference import maxsim_reference
+
+    launch_plan.clear()
+    same = _tokens(6, 23, 64, seed=5, grad=training)
+    fresh = [(_tokens(6, 23, 64, seed=s, grad=training),
+              _tokens(6, 23, 64, seed=s + 1, grad=training)) for s in (6, 8)]  # fmt: skip
+    calls = [(same, same), *fresh]
+    for Q, D in calls:
+        scores = maxsim(Q, D)
+        Qr = Q.detach().double().requires_grad_(training)
+        Dr = D.detach().double().requires_grad_(training)
+        ref = maxsim_reference(Qr, Qr if D is Q else Dr)
+        assert relative_error(scores, ref) < TOLERANCE[torch.bfloat16]
+        if training and D is not Q:
+            gq, gd = torch.autograd.grad(scores.sum(), (Q, D))
+            rq, rd = torch.autograd.grad(ref.sum(), (Qr, Dr))
+            assert relative_error(gq, rq) < TOLERANCE[torch.bfloat16]
+            assert relative_error(gd, rd) < TOLERANCE[torch.bfloat16]
