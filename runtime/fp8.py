@@ -170,7 +170,7 @@ def _device_has_fp8_dots(index: int) -> bool:
 def fp8_dots_available(device: torch.device | str) -> bool:
     """Whether the generated fp8 kernel runs on this device (cached per device)."""
     device = torch.device(device)
-    if device.type != "cuda" or not dispatch.TRITON_AVAILABLE:
+    if device.type != "cuda" or not backends.TRITON_AVAILABLE or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_has_fp8_dots(index)
