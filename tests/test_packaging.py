@@ -321,3 +321,36 @@ def test_wheel_installs_and_imports(tmp_path):
                    cwd=elsewhere, timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "no lik checkout" in refused.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+def _module_attribute_reads(path: Path):
+    """(line, module, attribute) for each `name.attr` in path where `name` is one of
+    lik's own modules imported by `from lik.runtime import name` (or `from lik import`)."""
+    import ast
+    import importlib
+
+    tree = ast.parse(path.read_text())
+    modules = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("lik", "lik.runtime"):
+            for alias in node.names:
+                try:
+                    module = importlib.import_module(f"{node.module}.{alias.name}")
+                except ImportError:  # a function or class, not a module
+                    continue
+                modules[alias.asname or alias.name] = module
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules):  # fmt: skip
+            yield node.lineno, modules[node.value.id], node.attr
+
+
+def test_every_attribute_the_package_reads_from_its_own_modules_exists():
+    """A name moved between modules must move at every use: such a read fails only when
+    it runs, and some run on a GPU only (fp8's check of Triton once read
+    dispatch.TRITON_AVAILABLE after it moved to backends)."""
+    sources = sorted((REPO / "runtime").rglob("*.py")) + sorted((REPO / "lik").rglob("*.py"))
+    missing = [f"{path.relative_to(REPO)}:{line} {module.__name__}.{attribute}"
+               for path in sources for line, module, attribute in _module_attribute_reads(path)
+               if not hasattr(module, attribute)]  # fmt: skip
+    assert not missing, missing
