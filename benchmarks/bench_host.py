@@ -3,7 +3,9 @@
 Each call is issued back to back behind a long GPU spin (torch.cuda._sleep), so the GPU
 never catches up and the host is the only clock: the figure is the host's cost per call
 whatever the kernels take. Best of ROUNDS rounds of `--calls` calls, one sync per round;
-a round that outlasts its spin is run again behind a longer one.
+a round that outlasts its spin is run again with half the calls behind a spin twice as
+long: an entry of many small kernels fills CUDA's launch queue (about a thousand
+launches), where the host waits for the GPU however long the spin.
 
 Rows, on a small batch (8 queries of 32 tokens, 8 docs of 64, d 128, bf16):
 - the core entries, a forward call (no grad) and a training step (forward, then
@@ -51,9 +53,10 @@ ROUNDS = 5
 # GPU cycles the spin starts at (about 0.2 s on an H200); a round whose calls outlast it
 # (the GPU caught up, so the GPU may have paced them) runs again on a spin twice as long.
 SPIN_CYCLES = 4 * 10**8
-# Doublings before a cell gives up: calls that outlast a 6 s spin wait on the GPU (a host
-# sync), so no spin can keep them host-bound.
+# Retries before a cell gives up: calls that outlast a 6 s spin, a few at a time, wait on
+# the GPU (a host sync), so no spin can keep them host-bound.
 MAX_DOUBLINGS = 5
+MIN_CALLS = 5
 FORWARD_TARGET_US = 25
 STEP_TARGET_US = 150
 PEERS = ("lik", "LIK 0.4.5", "flash-maxsim 0.3.0")
@@ -81,7 +84,7 @@ def host_us(fn, calls: int) -> float:
             if doublings > MAX_DOUBLINGS:
                 raise RuntimeError(f"{calls} calls outlasted a spin of {spin:.1e} cycles: "
                                    "they wait on the GPU")  # fmt: skip
-            spin *= 2
+            spin, calls = spin * 2, max(MIN_CALLS, calls // 2)
             continue
         best, rounds = min(best, elapsed * 1e6 / calls), rounds + 1
     return best
