@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     result_stem,
     write_results,
 )
+from grid import eager_scores  # noqa: E402
 
 SHAPES = shapes.TRAIN
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
@@ -60,11 +61,6 @@ def make_inputs(layout, nq, nd, lq, ld, d, seed, device="cuda"):
     return q, docs, weights
 
 
-def eager_scores(q, docs, layout):
-    spec = "qsd,qntd->qnst" if layout == "kd" else "qsd,ntd->qnst"
-    return torch.einsum(spec, q, docs).amax(dim=-1).sum(dim=-1, dtype=torch.float32)
-
-
 def build(key: str, layout: str) -> Callable:
     """scores(q, docs) with autograd, for one implementation."""
     if key.startswith("lik"):
@@ -83,7 +79,7 @@ def build(key: str, layout: str) -> Callable:
         shared = layout != "kd"
         return lambda q, docs: flash_maxsim_batched_train(q, docs, shared_docs=shared)
     if key == "eager":
-        return lambda q, docs: eager_scores(q, docs, layout)
+        return eager_scores
     raise KeyError(key)
 
 
