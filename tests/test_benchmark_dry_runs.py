@@ -79,7 +79,7 @@ def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path
 
 
 # The grids' suites, their cells, and the key of lik as a call gets it.
-GRIDS = {"forward": ("GRID_FORWARD", "lik")}
+GRIDS = {"forward": ("GRID_FORWARD", "lik"), "train": ("GRID_TRAIN", "lik-auto")}
 
 
 @pytest.mark.parametrize("name", GRIDS)
@@ -96,7 +96,7 @@ def test_a_grid_dry_run_reports_every_cell_checked_and_why_a_peer_cannot_take_on
         assert record["results"][lik]["error"] is None and record["results"][lik]["parity_ok"]
         eager = record["results"]["eager"]  # parity is recorded, and flagged where it fails
         assert eager["parity_ok"] is not None and eager["error"] is None
-        flash = record["results"]["flash_maxsim"]
+        flash = record["results"]["flash_maxsim" if name == "forward" else "flash"]
         assert (flash["not_applicable"] == "no holes") == cell.holes, (cell.name, flash)
         # A peer is either skipped here (no GPU) or cannot take the cell, never dropped.
         for result in record["results"].values():
@@ -107,7 +107,7 @@ def test_a_grid_dry_run_reports_every_cell_checked_and_why_a_peer_cannot_take_on
     assert "no holes" in used
     for code in used:
         assert f"n/a ({code})" in markdown and grid.NOT_APPLICABLE[code] in markdown
-    assert "## Parity" in markdown
+    assert "## Parity" in markdown or "## Gradient check" in markdown
 
 
 def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
