@@ -104,9 +104,9 @@ fi
 
 if [ -n "${RUN_GRID:-}" ]; then
     for suite in ${GRID_SUITES:-forward train}; do
-        echo "== $suite grid (timeout ${GRID_TIMEOUT:-420}s)"
+        echo "== $suite grid (timeout ${GRID_TIMEOUT:-480}s)"
         # shellcheck disable=SC2086  # GRID_ARGS is a list of flags
-        timeout -k 10 "${GRID_TIMEOUT:-420}" python3 "benchmarks/bench_$suite.py" --grid --out "$OUT" ${GRID_ARGS:-} 2>&1
+        timeout -k 10 "${GRID_TIMEOUT:-480}" python3 "benchmarks/bench_$suite.py" --grid --out "$OUT" ${GRID_ARGS:-} 2>&1
         echo "bench_$suite --grid exit code $? (124 = timed out; the cells measured so far are kept)"
     done
 fi

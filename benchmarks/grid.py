@@ -25,7 +25,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # and a ragged batch's docs.
 SHORTEST = {"padded": 1 / 2, "ragged": 1 / 8}
 # PyLate's default skiplist is string.punctuation, as the tokenizer's ids: 32 ids, which
-# these stand for, drawn for one doc token in ten (about English prose's share).
+# these stand for, drawn for one doc token in ten (an assumed share of punctuation).
 SKIPLIST_IDS = tuple(range(1000, 1032))
 VOCAB_SIZE = 30522
 PUNCTUATION_SHARE = 0.1
@@ -100,7 +100,7 @@ def doc_token_ids(shape: tuple[int, ...], generator) -> torch.Tensor:
     picks = torch.randint(len(SKIPLIST_IDS), shape, generator=generator)
     punctuation = torch.rand(shape, generator=generator) < PUNCTUATION_SHARE
     ids = torch.where(punctuation, torch.tensor(SKIPLIST_IDS)[picks], words)
-    ids[..., 0] = 1  # PyLate's [D] marker
+    ids[..., 0] = 1  # the doc marker PyLate prepends: any id outside the skiplist
     return ids
 
 
