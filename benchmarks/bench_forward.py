@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import grid
 import shapes
 import torch
 from common import (
@@ -46,6 +47,7 @@ from common import (
     speedup_series,
     write_results,
 )
+from grid import eager_scores
 
 SHAPES = shapes.FORWARD
 
@@ -64,13 +66,6 @@ TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, 
 # ---------------------------------------------------------------------------------------
 # Implementations: each builder returns scores(Q, D) -> fp32 [Nq, Nd]. Imports are lazy
 # so a missing package becomes a recorded error, not a crash.
-
-
-def eager_scores(q: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """The plain PyTorch formulation, in the inputs' dtype: einsum, max over doc
-    tokens, sum over query tokens (accumulated and returned in fp32)."""
-    similarities = torch.einsum("qsd,ntd->qnst", q, docs)
-    return similarities.amax(dim=-1).sum(dim=-1, dtype=torch.float32)
 
 
 def build_lik() -> Callable:
@@ -207,20 +202,16 @@ def measure_implementation(
     return result
 
 
-def time_doc_read(input_sets, args, clean_l2: bool):
+def time_doc_read(docs, timing: dict, clean_l2: bool, sweep: dict = TIMING["quick"]):
     """(ms, ms with L2 left clean or None, how) of the fastest read of the docs alone
-    (benchmarks/read_ceiling.py: a sweep of read kernels and PyTorch's sum, the winner
-    re-timed like the implementations): what a memory-bound MaxSim cannot beat at this
-    size. clean_l2: also time it with L2 left clean (the memory-bound shapes)."""
-    if args.dry_run:
-        return None, None, None
+    (benchmarks/read_ceiling.py: a sweep of read kernels and PyTorch's sum, each timed
+    with `sweep`, the winner re-timed with `timing`, like the implementations): what a
+    memory-bound MaxSim cannot beat at this size. clean_l2: also time it with L2 left
+    clean (the memory-bound shapes)."""
     from read_ceiling import fastest_read
 
-    docs = input_sets[0][1]
-    quick, timing = TIMING["quick"], TIMING["quick" if args.quick else "full"]
-
     def quick_ms(call):
-        return attempt(lambda: bench_ms(call, **quick))[0]
+        return attempt(lambda: bench_ms(call, **sweep))[0]
 
     found, error = attempt(lambda: fastest_read(docs, quick_ms))
     if found is None:
@@ -241,7 +232,10 @@ def measure_shape(shape: Shape, keys, ceilings, device, args) -> dict:
     )
     floor = roofline_floor(shape, ceilings)
     memory_bound = floor["bound"] == "memory"
-    read_ms, read_clean_ms, read_by = time_doc_read(input_sets, args, memory_bound)
+    read_ms = read_clean_ms = read_by = None
+    if not args.dry_run:
+        timing = TIMING["quick" if args.quick else "full"]
+        read_ms, read_clean_ms, read_by = time_doc_read(docs, timing, memory_bound)
     record = {
         **shape.as_dict(),
         "input_mb": shape.input_bytes() / 1e6,
@@ -396,15 +390,10 @@ def error_lines(report: dict) -> list[str]:
     ]
 
 
-def markdown_report(report: dict) -> str:
+def report_header(report: dict, title: str) -> list[str]:
+    """A report's title, provenance, peer versions where they differ and ceilings."""
     env, ceilings = report["env"], report["ceilings"]
-    timing = report["timing"]
-    parts = [
-        f"# Forward MaxSim on {env['gpu']}",
-        "",
-        provenance(env),
-        "",
-    ]
+    parts = [f"# {title} on {env['gpu']}", "", provenance(env), ""]
     mismatched = [
         f"{name} {env['packages'].get(name)} (expected {expected})"
         for name, expected in PEER_DISTRIBUTIONS.items()
@@ -418,6 +407,12 @@ def markdown_report(report: dict) -> str:
             f"bf16 matmul {ceilings['matmul_tflops']:.0f} TFLOP/s.",
             "",
         ]
+    return parts
+
+
+def markdown_report(report: dict) -> str:
+    timing = report["timing"]
+    parts = report_header(report, "Forward MaxSim")
     parts += [
         f"Median ms ({timing['timer']}, warm-up {timing['warmup_ms']} ms, "
         f"rep {timing['rep_ms']} ms); L2-normalized random bf16 inputs, rotated "
@@ -477,13 +472,265 @@ def write_report(report: dict, out_dir: Path, stem: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# The shape-class grid (--grid): shapes.GRID_FORWARD, each cell against both peers where
+# they can take it, eager PyTorch and torch.compile, in one run (benchmarks/grid.py builds
+# the inputs).
+
+GRID_SUITE = "forward_grid"
+# The grid's ~50 cells fit one GPU session's few minutes with the quick timing, and the
+# read ceiling's readers swept shorter still (its winner is re-timed like the cells).
+GRID_TIMING = TIMING["quick"]
+GRID_READ_SWEEP = {"warmup_ms": 5, "rep_ms": 25}
+
+
+def grid_not_applicable(key: str, cell: shapes.Cell) -> str | None:
+    """Why an implementation cannot take a cell (a grid.NOT_APPLICABLE code), or None."""
+    if key != "flash_maxsim":
+        return None
+    if cell.holes:
+        return "no holes"
+    if cell.ragged == "packed" and cell.shape.nq > 1:
+        return "one query packed"
+    return None
+
+
+def build_grid_call(key: str, cell: shapes.Cell) -> Callable[[grid.Inputs], torch.Tensor]:
+    """One implementation's call on a cell's inputs, as a client with those inputs makes
+    it: masks, lengths (flash-maxsim) or packed docs; scores [Nq, Nd] ([B] for pairs)."""
+    packed = cell.ragged == "packed"
+    if key in ("lik", "late_interaction_kernels"):
+        if key == "lik":
+            from lik.runtime import maxsim, maxsim_pairs, maxsim_varlen
+        else:
+            from late_interaction_kernels import maxsim, maxsim_pairs, maxsim_varlen
+        if packed:
+            return lambda x: maxsim_varlen(*x.packed.varlen_args)
+        entry = maxsim_pairs if cell.layout == "pairs" else maxsim
+        return lambda x: entry(x.q, x.docs, x.q_mask, x.d_mask)
+    if key == "flash_maxsim":
+        import flash_maxsim as flash
+
+        if packed:  # one query (grid_not_applicable)
+            return lambda x: flash.flash_maxsim_packed(x.q[0], x.packed.docs, x.packed.cu_d,
+                                                       x.packed.max_d)  # fmt: skip
+        if cell.layout == "pairs":
+            return lambda x: flash.flash_maxsim_pairs_dense(x.q, x.docs, x.q_lengths, x.d_lengths)
+        shared = cell.layout == "dense"
+        return lambda x: flash.flash_maxsim_batched(x.q, x.docs, doc_lengths=x.d_lengths,
+                                                    shared_docs=shared,
+                                                    query_lengths=x.q_lengths)  # fmt: skip
+    if key == "eager":
+        return grid.padded_call(cell, eager_scores)
+    if key == "torch_compile":
+        torch._dynamo.reset()  # a fresh compile per cell, as per shape above
+        return grid.padded_call(cell, torch.compile(eager_scores, dynamic=False))
+    raise KeyError(key)
+
+
+def grid_result(**fields) -> dict:
+    return {"ms": None, "parity_rel_err": None, "parity_ok": None, "error": None,
+            "not_applicable": None, **fields}  # fmt: skip
+
+
+def measure_grid_implementation(key, cell, input_sets, reference, indices, dry_run) -> dict:
+    """Checked against the float64 slice on its first call, then timed."""
+    reason = grid_not_applicable(key, cell)
+    if reason:
+        return grid_result(not_applicable=reason)
+    if dry_run and key not in DRY_RUN_IMPLEMENTATIONS:
+        return grid_result(error="skipped in dry run")
+    call, error = attempt(lambda: build_grid_call(key, cell))
+    if error:
+        return grid_result(error=error)
+    out, error = attempt(lambda: call(input_sets[0]))
+    if error:
+        return grid_result(error=error)
+    rel_err = relative_error(grid.parity_slice(cell, out, indices), reference)
+    result = grid_result(parity_rel_err=rel_err, parity_ok=rel_err <= PARITY_TOLERANCE)
+    timed = rotating(call, [(inputs,) for inputs in input_sets])
+    if dry_run:
+        result["ms"], result["error"] = attempt(lambda: cpu_wallclock_ms(timed))
+    else:
+        result["ms"], result["error"] = attempt(lambda: bench_ms(timed, **GRID_TIMING))
+    return result
+
+
+def grid_doc_read(docs, cache: dict) -> tuple[float | None, str | None]:
+    """(ms, how) of the read-once ceiling over docs: a read of as many bytes takes as long
+    whatever they hold, so each size is swept once per run (cache: bytes -> result)."""
+    size = docs.numel() * docs.element_size()
+    if size not in cache:
+        ms, _, how = time_doc_read(docs, GRID_TIMING, False, sweep=GRID_READ_SWEEP)
+        cache[size] = (ms, how)
+    return cache[size]
+
+
+def measure_grid_cell(cell: shapes.Cell, keys, ceilings, device, args, read_cache) -> dict:
+    sets_count = 1 if args.dry_run else rotation_count(cell.input_bytes())
+    input_sets = grid.input_sets(cell, device, sets_count)
+    indices = grid.parity_indices(cell, device)
+    reference = grid.reference_scores(cell, input_sets[0], indices)
+    floor = roofline_floor(cell, ceilings)
+    docs = grid.read_once_docs(cell, input_sets[0])
+    record = {**cell.as_dict(), "doc_mb": docs.numel() * docs.element_size() / 1e6,
+              "rotation_sets": sets_count, **floor, "read_docs_ms": None, "read_docs_by": None,
+              "pct_read": None, "results": {}}  # fmt: skip
+    ceiling = grid.ceiling_applies(cell, input_sets[0], floor)
+    if ceiling:
+        record["read_docs_ms"], record["read_docs_by"] = grid_doc_read(docs, read_cache)
+    for key in keys:
+        result = measure_grid_implementation(key, cell, input_sets, reference, indices,
+                                             args.dry_run)  # fmt: skip
+        result["pct_roofline"] = percent_of_roofline(floor["floor_ms"], result["ms"])
+        record["results"][key] = result
+        print(f"  {IMPLEMENTATIONS[key][0]}: {describe_grid_result(result)}", flush=True)
+    if ceiling:
+        lik_ms = record["results"].get("lik", {}).get("ms")
+        record["pct_read"] = percent_of_roofline(record["read_docs_ms"], lik_ms)
+    del input_sets, docs, reference
+    release_cached_memory()
+    return record
+
+
+def describe_grid_result(result: dict) -> str:
+    if result["not_applicable"]:
+        return f"n/a ({result['not_applicable']})"
+    if result["parity_rel_err"] is None:
+        return f"no result: {result['error']}"
+    parity = "ok" if result["parity_ok"] else "FAILED"
+    timing = f"{format_ms(result['ms'])} ms" if result["ms"] is not None else result["error"]
+    return f"{timing}, parity {parity} ({result['parity_rel_err']:.2e})"
+
+
+def grid_ratio(record: dict) -> float | None:
+    """The best peer's time over lik's (above 1: lik is faster)."""
+    lik_ms = record["results"].get("lik", {}).get("ms")
+    _, peer_ms = grid.best_peer(record["results"], PEERS, "ms")
+    return peer_ms / lik_ms if lik_ms and peer_ms else None
+
+
+def grid_summary(report: dict) -> list[str]:
+    """Where lik is behind the best peer, below the read ceiling's target, or failed parity."""
+    held = {r["name"]: r["pct_read"] for r in report["cells"] if r["pct_read"] is not None}
+    below = [f"{name} ({pct:.0f}%)" for name, pct in held.items()
+             if pct < grid.CEILING_TARGET_PCT]  # fmt: skip
+    ceiling = (f"- memory-bound cells with {grid.CEILING_DOC_BYTES / 1e6:.0f} MB of docs or "
+               f"more at {grid.CEILING_TARGET_PCT:.0f}% of the read-once ceiling or above: "
+               f"{len(held) - len(below)} of {len(held)}"
+               + (f"; below in {', '.join(below)}." if below else "."))  # fmt: skip
+    labels = {key: IMPLEMENTATIONS[key][0] for key in report["implementations"]}
+    return [grid.ratio_line(report, grid_ratio), ceiling, grid.parity_line(report, labels)]
+
+
+def grid_table(report: dict) -> str:
+    keys = report["implementations"]
+    headers = ["cell", "axes", "Nq, Nd, Lq, Ld, d", "docs MB", "floor", "read D once",
+               *(IMPLEMENTATIONS[k][0] for k in keys), "lik vs best peer",
+               "lik % read"]  # fmt: skip
+    rows = []
+    for r in report["cells"]:
+        cells = [grid.result_cell(r["results"].get(k, {}), "ms", format_ms) for k in keys]
+        rows.append([r["name"], ", ".join(r["axes"]), f"{r['Nq']}, {r['Nd']}, {r['Lq']}, "
+                     f"{r['Ld']}, {r['d']}", f"{r['doc_mb']:.1f}", format_ms(r["floor_ms"]),
+                     format_ms(r["read_docs_ms"]), *cells, format_ratio(grid_ratio(r)),
+                     format_ratio(r["pct_read"], "%")])  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def grid_parity_table(report: dict) -> str:
+    keys = report["implementations"]
+    headers = ["cell", *(IMPLEMENTATIONS[k][0] for k in keys)]
+    rows = [[r["name"], *(parity_cell(r["results"].get(k, {})) for k in keys)]
+            for r in report["cells"]]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def grid_markdown(report: dict) -> str:
+    timing = report["timing"]
+    parts = report_header(report, "Forward MaxSim grid")
+    parts += [
+        f"Median ms ({timing['timer']}, warm-up {timing['warmup_ms']} ms, rep "
+        f"{timing['rep_ms']} ms); L2-normalized random inputs in the cell's dtype, rotated "
+        "when they fit in L2. Cells (benchmarks/shapes.py, GRID_FORWARD): a star around "
+        "base shapes, one class axis moved at a time. Masks as clients build them "
+        "(benchmarks/grid.py): prefix = padded queries and docs; skiplist = PyLate's doc "
+        "mask, punctuation masked anywhere; multivector = ST's MultiVectorMask, query "
+        "padding and doc holes; ragged = doc lengths spread widely, padded with a d_mask or "
+        "packed for the varlen entries (eager and compile take them padded). \"lik vs best "
+        "peer\": the faster peer's time over lik's, among the peers that took the cell (one "
+        "that failed parity counts too, flagged FAIL). \"lik % read\": the read-once "
+        "ceiling over lik's time, for memory-bound cells with "
+        f"{grid.CEILING_DOC_BYTES / 1e6:.0f} MB of docs or more (the docs read, packed ones "
+        "where packed).",
+        "",
+        *grid_summary(report),
+        "",
+        grid_table(report),
+        "",
+        *grid.not_applicable_lines(report),
+        "",
+        f"## Parity (relative error vs {PARITY_TOLERANCE:g} tolerance; first queries, first "
+        "and last docs; float64 reference)",
+        "",
+        grid_parity_table(report),
+        "",
+    ]
+    sweeps = report.get("call_time_sweeps")
+    if sweeps is not None:
+        parts += [f"Call-time autotune sweeps in this run (lik.runtime.autotune): {sweeps} "
+                  "(a cell whose key no table covers sweeps on its first call, before timing).",
+                  ""]  # fmt: skip
+    errors = error_lines({"shapes": report["cells"]})
+    if errors:
+        parts += ["## Errors", "", *errors, ""]
+    return "\n".join(parts)
+
+
+def run_grid(args, keys, device, ceilings, timer, out_dir: Path) -> int:
+    from lik.runtime import autotune
+
+    cells = grid.pick_cells(shapes.GRID_FORWARD, args.shapes, args.axes)
+    env = environment_info(["lik", *PEER_DISTRIBUTIONS])
+    stem = result_stem(GRID_SUITE, env["gpu"], args.dry_run)
+    timing = {"warmup_ms": 0, "rep_ms": 0} if args.dry_run else GRID_TIMING
+    report = {
+        "suite": GRID_SUITE,
+        "env": env,
+        "expected_peer_versions": PEER_DISTRIBUTIONS,
+        "ceilings": ceilings,
+        "timing": {"timer": timer, **timing, "read_sweep": GRID_READ_SWEEP},
+        "parity_tolerance": PARITY_TOLERANCE,
+        "implementations": keys,
+        "labels": {key: IMPLEMENTATIONS[key][0] for key in keys},
+        "not_applicable": grid.NOT_APPLICABLE,
+        "cells": [],
+    }
+    read_cache: dict = {}
+    for cell in cells:
+        print(f"[{cell.name}] {cell.shape.dims} ({', '.join(cell.axes)})", flush=True)
+        measured = grid.tiny(cell) if args.dry_run else cell
+        report["cells"].append(measure_grid_cell(measured, keys, ceilings, device, args,
+                                                 read_cache))  # fmt: skip
+        report["call_time_sweeps"] = autotune.sweeps
+        # After every cell, so a cut-off run keeps what it measured.
+        write_results(out_dir, stem, report, grid_markdown(report))
+    print("\n" + "\n".join(grid_summary(report)))
+    print(f"\nwrote {out_dir / stem}.json, .md", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
 # Command line
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="output folder (default: benchmarks/results)")
-    parser.add_argument("--shapes", help="comma-separated shape names (default: all)")
+    parser.add_argument("--shapes", help="comma-separated shape (with --grid: cell) names "
+                        "(default: all)")  # fmt: skip
+    parser.add_argument("--grid", action="store_true", help="the shape-class grid "
+                        f"(shapes.GRID_FORWARD) into {GRID_SUITE}/, timed quick")  # fmt: skip
+    parser.add_argument("--axes", help="with --grid: comma-separated axes (default: all)")
     parser.add_argument(
         "--impls",
         help="comma-separated implementations (default: all): " + ",".join(IMPLEMENTATIONS),
@@ -512,7 +759,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     by_name = {shape.name: shape for shape in SHAPES}
-    shapes = [by_name[name] for name in pick(args.shapes, list(by_name), "shape")]
+    shapes = [] if args.grid else [by_name[n] for n in pick(args.shapes, list(by_name), "shape")]
     keys = pick(args.impls, list(IMPLEMENTATIONS), "implementation")
     if args.dry_run:
         device, shapes, ceilings = "cpu", [tiny(shape) for shape in shapes], None
@@ -525,6 +772,8 @@ def main(argv=None) -> int:
         out_dir = args.out or Path(__file__).resolve().parent / "results"
         timer, timing = "triton do_bench", TIMING["quick" if args.quick else "full"]
         ceilings = measure_ceilings(device, **timing)
+    if args.grid:
+        return run_grid(args, keys, device, ceilings, timer, out_dir)
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
     stem = result_stem("forward", env["gpu"], args.dry_run)

@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grid  # noqa: E402
 import shapes  # noqa: E402
 from common import (  # noqa: E402
+    DRY_RUN_TIMER,
     attempt,
     back_to_back_ms,
     bench_ms,
@@ -35,11 +37,13 @@ from common import (  # noqa: E402
     missing_gpu,
     normalized_tokens,
     peak_extra_memory_mib,
+    provenance,
     relative_error,
     release_cached_memory,
     result_stem,
     write_results,
 )
+from grid import eager_scores  # noqa: E402
 
 SHAPES = shapes.TRAIN
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
@@ -60,11 +64,6 @@ def make_inputs(layout, nq, nd, lq, ld, d, seed, device="cuda"):
     return q, docs, weights
 
 
-def eager_scores(q, docs, layout):
-    spec = "qsd,qntd->qnst" if layout == "kd" else "qsd,ntd->qnst"
-    return torch.einsum(spec, q, docs).amax(dim=-1).sum(dim=-1, dtype=torch.float32)
-
-
 def build(key: str, layout: str) -> Callable:
     """scores(q, docs) with autograd, for one implementation."""
     if key.startswith("lik"):
@@ -83,7 +82,7 @@ def build(key: str, layout: str) -> Callable:
         shared = layout != "kd"
         return lambda q, docs: flash_maxsim_batched_train(q, docs, shared_docs=shared)
     if key == "eager":
-        return lambda q, docs: eager_scores(q, docs, layout)
+        return eager_scores
     raise KeyError(key)
 
 
@@ -249,13 +248,242 @@ def markdown(report: dict) -> str:
     return "\n".join(parts) + "\n" + note
 
 
+# ---------------------------------------------------------------------------------------
+# The shape-class grid (--grid): shapes.GRID_TRAIN's training steps, GPU time (the step
+# captured in a CUDA graph and replayed) against both peers where they train the cell,
+# eager PyTorch and torch.compile of it (benchmarks/grid.py builds the inputs).
+
+GRID_SUITE = "train_grid"
+# lik as a call gets it (backward="auto") against every peer strategy.
+GRID_IMPLEMENTATIONS = ["lik-auto", "LIK-unified", "LIK-lowmem", "flash", "eager", "compile"]
+GRID_DRY_RUN_IMPLEMENTATIONS = ["lik-auto", "eager"]
+# Quick timing keeps the grid's ~30 cells to one GPU session's few minutes.
+GRID_TIMING = TIMING["quick"]
+
+
+def grid_not_applicable(key: str, cell: shapes.Cell) -> str | None:
+    """Why an implementation cannot train a cell (a grid.NOT_APPLICABLE code), or None."""
+    packed = cell.ragged == "packed"
+    if key == "flash" and cell.holes:
+        return "no holes"
+    if key == "flash" and packed:
+        return "no packed autograd"
+    if key == "LIK-lowmem" and packed:
+        return "one varlen backward"
+    return None
+
+
+def takes_packed(key: str, cell: shapes.Cell) -> bool:
+    """Whether the implementation gets the cell's docs packed (its varlen entry)."""
+    return cell.ragged == "packed" and key.startswith(("lik", "LIK"))
+
+
+def build_grid_scores(key: str, cell: shapes.Cell) -> Callable[[grid.Inputs], torch.Tensor]:
+    """One implementation's differentiable scores of a cell's inputs, as a training loop
+    with those inputs calls it: masks, lengths (flash-maxsim) or packed docs."""
+    pairs = cell.layout == "pairs"
+    if key.startswith(("lik", "LIK")):
+        strategy = key.split("-", 1)[1]
+        if key.startswith("lik"):
+            from lik.runtime import maxsim, maxsim_pairs, maxsim_varlen
+
+            if takes_packed(key, cell):
+                return lambda x: maxsim_varlen(*x.packed.varlen_args, backward=strategy)
+        else:
+            from late_interaction_kernels import maxsim, maxsim_pairs, maxsim_varlen
+
+            if takes_packed(key, cell):  # its one backward (grid_not_applicable)
+                return lambda x: maxsim_varlen(*x.packed.varlen_args)
+        entry = maxsim_pairs if pairs else maxsim
+        return lambda x: entry(x.q, x.docs, x.q_mask, x.d_mask, backward=strategy)
+    if key == "flash":
+        from flash_maxsim import flash_maxsim_batched_train
+
+        # No pairs entry trains: pairs go as kd with one doc per query.
+        shared = cell.layout == "dense"
+        return lambda x: flash_maxsim_batched_train(
+            x.q, x.docs.unsqueeze(1) if pairs else x.docs, shared_docs=shared,
+            doc_lengths=x.d_lengths, query_lengths=x.q_lengths)  # fmt: skip
+    if key == "eager":
+        return grid.padded_call(cell, eager_scores)
+    if key == "compile":
+        torch._dynamo.reset()  # a fresh compile per cell: static shapes, no recompile limit
+        return grid.padded_call(cell, torch.compile(eager_scores, dynamic=False))
+    raise KeyError(key)
+
+
+def grid_step(scores: Callable, x: grid.Inputs, leaves, weights):
+    """One forward + backward of sum(weights * scores); returns the leaves' gradients."""
+    for leaf in leaves:
+        leaf.grad = None
+    (scores(x).reshape(weights.shape) * weights).sum().backward()
+    return tuple(leaf.grad for leaf in leaves)
+
+
+def grid_result(**fields) -> dict:
+    return {"ms": None, "grad_q_err": None, "grad_d_err": None, "parity_ok": None,
+            "error": None, "not_applicable": None, **fields}  # fmt: skip
+
+
+def measure_grid_implementation(key, cell, x, weights, reference, dry_run) -> dict:
+    """Gradients checked against float64, then the step's GPU time (graph replay)."""
+    reason = grid_not_applicable(key, cell)
+    if reason:
+        return grid_result(not_applicable=reason)
+    if dry_run and key not in GRID_DRY_RUN_IMPLEMENTATIONS:
+        return grid_result(error="skipped in dry run")
+    scores, error = attempt(lambda: build_grid_scores(key, cell))
+    if error:
+        return grid_result(error=error)
+    form = "packed" if takes_packed(key, cell) else "padded"
+    leaves = (x.packed.q, x.packed.docs) if form == "packed" else (x.q, x.docs)
+    grads, error = attempt(lambda: grid_step(scores, x, leaves, weights))
+    if error:
+        return grid_result(error=error)
+    q_err, d_err = (relative_error(g, r) for g, r in zip(grads, reference[form], strict=True))
+    result = grid_result(grad_q_err=q_err, grad_d_err=d_err,
+                         parity_ok=max(q_err, d_err) < GRADIENT_TOLERANCE)  # fmt: skip
+
+    def step():
+        return grid_step(scores, x, leaves, weights)
+
+    if dry_run:
+        result["ms"], result["error"] = attempt(lambda: cpu_wallclock_ms(step))
+    else:  # the graph (and its memory pool) is gone when the call returns
+        result["ms"], result["error"] = attempt(
+            lambda: bench_ms(graph_replay(step, warmup_calls=2), **GRID_TIMING)
+        )
+    for leaf in leaves:
+        leaf.grad = None
+    return result
+
+
+def measure_grid_cell(cell: shapes.Cell, device, dry_run: bool) -> dict:
+    (x,) = grid.input_sets(cell, device, 1, seed=11)
+    for leaf in (x.q, x.docs, *((x.packed.q, x.packed.docs) if x.packed else ())):
+        leaf.requires_grad_()
+    weights = torch.randn(cell.shape.nq, cell.shape.nd, device=device,
+                          generator=torch.Generator(device).manual_seed(7))  # fmt: skip
+    reference = grid.reference_gradients(cell, x, weights)
+    record = {**cell.as_dict(), "results": {}}
+    for key in GRID_IMPLEMENTATIONS:
+        result = measure_grid_implementation(key, cell, x, weights, reference, dry_run)
+        record["results"][key] = result
+        if result["not_applicable"]:
+            print(f"  {key:12s} n/a ({result['not_applicable']})", flush=True)
+        else:
+            print(f"  {key:12s} {format_ms(result['ms'])} ms, grad err "
+                  f"{result['grad_q_err'] or float('nan'):.1e}/"
+                  f"{result['grad_d_err'] or float('nan'):.1e} {result['error'] or ''}",
+                  flush=True)  # fmt: skip
+        release_cached_memory()
+    del x, weights, reference
+    release_cached_memory()
+    return record
+
+
+def grid_ratio(record: dict) -> float | None:
+    """The best peer's GPU time over lik's (above 1: lik is faster)."""
+    lik_ms = record["results"]["lik-auto"]["ms"]
+    _, peer_ms = grid.best_peer(record["results"], PEERS, "ms")
+    return peer_ms / lik_ms if lik_ms and peer_ms else None
+
+
+def grid_markdown(report: dict) -> str:
+    keys = GRID_IMPLEMENTATIONS
+    timing = report["timing"]
+    headers = ["cell", "axes", "Nq, Nd, Lq, Ld, d", *keys, "lik vs best peer"]
+    rows = [[r["name"], ", ".join(r["axes"]), f"{r['Nq']}, {r['Nd']}, {r['Lq']}, {r['Ld']}, "
+             f"{r['d']}", *(grid.result_cell(r["results"][k], "ms", format_ms) for k in keys),
+             format_ratio(grid_ratio(r))] for r in report["cells"]]  # fmt: skip
+
+    def errors(result):
+        if result["grad_q_err"] is None:
+            return "—"
+        mark = "" if result["parity_ok"] else " FAIL"
+        return f"{result['grad_q_err']:.1e} / {result['grad_d_err']:.1e}{mark}"
+
+    parity_rows = [[r["name"], *(errors(r["results"][k]) for k in keys)]
+                   for r in report["cells"]]  # fmt: skip
+    failures = [f"- {r['name']} {k}: {r['results'][k]['error']}"
+                for r in report["cells"] for k in keys
+                if r["results"][k]["error"] not in (None, "skipped in dry run")]  # fmt: skip
+    parts = [
+        f"# Training forward + backward grid on {report['gpu']}",
+        "",
+        provenance(report["env"]),
+        "",
+        f"GPU time of one step (forward, backward to Q and D of sum(weights * scores)): the "
+        f"step captured in a CUDA graph and replayed, median ms ({timing['timer']}, warm-up "
+        f"{timing['warmup_ms']} ms, rep {timing['rep_ms']} ms). Cells (benchmarks/shapes.py, "
+        "GRID_TRAIN) and their masks as in the forward grid (benchmarks/grid.py); lik with "
+        "backward=\"auto\". \"lik vs best peer\": the fastest peer strategy's time over "
+        "lik's, among the peers that train the cell (one that failed the gradient check counts "
+        "too, flagged FAIL).",
+        "",
+        grid.ratio_line(report, grid_ratio),
+        grid.parity_line(report, {k: k for k in keys}),
+        "",
+        markdown_table(headers, rows),
+        "",
+        *grid.not_applicable_lines(report),
+        "",
+        f"## Gradient check (relative error of dQ / dD against float64, tolerance "
+        f"{GRADIENT_TOLERANCE:g})",
+        "",
+        "Eager's bf16 einsum rounds each similarity to bf16 before the max, so near-tied doc "
+        "tokens trade places and its gradients can miss the tolerance; the kernels compare in "
+        "fp32.",
+        "",
+        markdown_table(["cell", *keys], parity_rows),
+        "",
+    ]
+    if failures:
+        parts += ["## Errors", "", *failures, ""]
+    return "\n".join(parts)
+
+
+def run_grid(args) -> int:
+    cells = grid.pick_cells(shapes.GRID_TRAIN, args.shapes, args.axes)
+    device = "cpu" if args.dry_run else "cuda"
+    timer = DRY_RUN_TIMER if args.dry_run else "triton do_bench of the graph's replay"
+    timing = {"warmup_ms": 0, "rep_ms": 0} if args.dry_run else GRID_TIMING
+    report = {"suite": GRID_SUITE, "env": environment_info(["lik", "late-interaction-kernels",
+                                                            "flash-maxsim"]),
+              "gpu": gpu_name(), "timing": {"timer": timer, **timing},
+              "gradient_tolerance": GRADIENT_TOLERANCE, "implementations": GRID_IMPLEMENTATIONS,
+              "not_applicable": grid.NOT_APPLICABLE, "cells": []}  # fmt: skip
+    stem = result_stem(GRID_SUITE, report["gpu"], args.dry_run)
+    for cell in cells:
+        print(f"[{cell.name}] {cell.shape.dims} ({', '.join(cell.axes)})", flush=True)
+        measured = grid.tiny(cell) if args.dry_run else cell
+        report["cells"].append(measure_grid_cell(measured, device, args.dry_run))
+        # After every cell, so a cut-off run keeps what it measured.
+        write_results(args.out, stem, report, grid_markdown(report))
+    print(grid_markdown(report))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shapes", default=None)
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated shape (with --grid: cell) names (default: all)",
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU, tiny shapes, lik and eager only: exercises the script")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes, lik and eager only: exercises the script",
+    )
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help=f"the shape-class grid (shapes.GRID_TRAIN) into {GRID_SUITE}/, timed quick",
+    )
+    parser.add_argument("--axes", help="with --grid: comma-separated axes (default: all)")
     parser.add_argument(
         "--render",
         type=Path,
@@ -269,6 +497,8 @@ def main(argv=None) -> int:
         return 0
     if not args.dry_run and missing_gpu("bench_train"):
         return 2
+    if args.grid:
+        return run_grid(args)
     write_report(run(args), args.out, dry_run=args.dry_run)
     return 0
 

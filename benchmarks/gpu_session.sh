@@ -13,7 +13,10 @@
 # RUN_BACKWARD / RUN_VARIANTS / RUN_FP8 / RUN_PLAID / RUN_HEAD / RUN_COLD_START / RUN_AUTOTUNE / RUN_HOST
 # / RUN_PYLATE (needs pylate: benchmarks/gpu_integrations.sh installs it and runs it)
 # (bench_<name>.py; bench_autotune takes about 8 minutes on an H200: raise EXTRA_TIMEOUT),
-# TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT (seconds), PEERS_DIR.
+# RUN_GRID (the shape-class grids, bench_forward.py and bench_train.py --grid, each
+# GRID_SUITES of "forward train" with GRID_ARGS, e.g. "--axes mask,ragged"), SKIP_TESTS,
+# TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT / GRID_TIMEOUT (seconds),
+# PEERS_DIR.
 # A failing step is logged and the next one still runs.
 set -uo pipefail
 
@@ -79,9 +82,11 @@ if [ -n "${RUN_TUNE:-}" ]; then
     cp "$OUT"/*.toml "$tables"/ && echo "installed $(ls "$OUT"/*.toml) into $tables"
 fi
 
+if [ -z "${SKIP_TESTS:-}" ]; then
 echo "== gpu tests (timeout ${TEST_TIMEOUT}s)"
 timeout -k 10 "$TEST_TIMEOUT" python3 -P -m pytest -q -p no:cacheprovider ${TEST_ARGS:-} ${TEST_TARGETS:--m gpu tests} 2>&1
 echo "pytest exit code $? (5 = no tests collected, 124 = timed out)"
+fi
 
 if [ -z "${SKIP_FORWARD:-}" ]; then
 echo "== forward benchmark (timeout ${BENCH_TIMEOUT}s)"
@@ -95,6 +100,15 @@ if [ -z "${SKIP_TRAIN:-}" ]; then
 echo "== training benchmark"
 timeout -k 10 "${TRAIN_TIMEOUT:-300}" python3 benchmarks/bench_train.py --out "$OUT" ${TRAIN_ARGS:-} 2>&1
 echo "bench_train exit code $?"
+fi
+
+if [ -n "${RUN_GRID:-}" ]; then
+    for suite in ${GRID_SUITES:-forward train}; do
+        echo "== $suite grid (timeout ${GRID_TIMEOUT:-480}s)"
+        # shellcheck disable=SC2086  # GRID_ARGS is a list of flags
+        timeout -k 10 "${GRID_TIMEOUT:-480}" python3 "benchmarks/bench_$suite.py" --grid --out "$OUT" ${GRID_ARGS:-} 2>&1
+        echo "bench_$suite --grid exit code $? (124 = timed out; the cells measured so far are kept)"
+    done
 fi
 
 for extra in backward ragged retrieve variants fp8 plaid head cold_start autotune host pylate; do

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
 from common import Shape
 
 # The forward suite (bench_forward.py), each a class of inputs: reranks of short and long
@@ -33,3 +35,135 @@ TRAIN = [
     ("colpali-32", 32, 32, 128, 1024, 128, "dense"),
     ("kd-64x32", 64, 32, 32, 300, 128, "kd"),
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# The shape-class grid (bench_forward.py --grid, bench_train.py --grid)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the grid: a problem, its input dtype, how its tokens are masked, whether
+    its docs have ragged lengths, and its layout. In the kd and pairs layouts shape.nd
+    counts each query's docs (1 for pairs). benchmarks/grid.py builds the inputs.
+
+    mask: "none"; "prefix" (queries and docs padded, masks from random lengths: ST's and
+    colpali-engine's collators); "skiplist" (PyLate: the docs' attention mask with
+    punctuation ids masked anywhere, queries unmasked); "multivector" (ST's MultiVectorMask:
+    query padding, doc padding and skiplist holes).
+    ragged: "" (doc lengths near the padded length); "padded" (lengths spread widely,
+    padded with their d_mask); "packed" (the same docs packed, for the entries that take
+    packed docs; the others get them padded).
+    axes: the grid axes the cell stands for (not part of its identity).
+    """
+
+    shape: Shape
+    axes: tuple[str, ...] = field(compare=False)
+    dtype: str = "bf16"
+    mask: str = "none"
+    ragged: str = ""
+    layout: str = "dense"
+
+    @property
+    def name(self) -> str:
+        parts = [self.shape.name, f"d{self.shape.d}", self.dtype]
+        parts += [self.mask] if self.mask != "none" else []
+        parts += [f"ragged-{self.ragged}"] if self.ragged else []
+        return "/".join(parts)
+
+    @property
+    def holes(self) -> bool:
+        """Whether the doc mask has holes (no lengths can say which tokens are valid)."""
+        return self.mask in ("skiplist", "multivector")
+
+    @property
+    def doc_rows(self) -> int:
+        """Docs in the call: each query's own in the kd and pairs layouts."""
+        nq, nd = self.shape.nq, self.shape.nd
+        return nd if self.layout == "dense" else nq * nd
+
+    @property
+    def flops(self) -> int:
+        return self.shape.flops  # nq * nd (query, doc) pairs in every layout
+
+    def input_bytes(self, element_size: int = 2) -> int:
+        s = self.shape
+        return (s.nq * s.lq + self.doc_rows * s.ld) * s.d * element_size
+
+    def bytes_moved(self, element_size: int = 2) -> int:
+        """D and Q read once (padded), fp32 scores written once."""
+        return self.input_bytes(element_size) + self.shape.nq * self.shape.nd * 4
+
+    def as_dict(self) -> dict:
+        return {**self.shape.as_dict(), "name": self.name, "axes": list(self.axes),
+                "dtype": self.dtype, "mask": self.mask, "ragged": self.ragged,
+                "layout": self.layout}  # fmt: skip
+
+
+def _vary(base: Shape, **dims) -> Shape:
+    """base with some of nq, nd, lq, ld or d changed; the changed lengths and counts (not
+    the head dim, which every cell name carries) join its name."""
+    named = [f"{key}{value}" for key, value in dims.items()
+             if key != "d" and value != getattr(base, key)]  # fmt: skip
+    return replace(base, name="-".join([base.name, *named]), **dims)
+
+
+def _each_once(cells) -> list[Cell]:
+    """The cells in order, each once: a cell that several axes share (the same problem under
+    another base's name) keeps its first name and stands for each of them."""
+    merged: dict[Cell, Cell] = {}
+    for cell in cells:
+        problem = replace(cell, shape=replace(cell.shape, name=""))
+        first = merged.get(problem)
+        merged[problem] = cell if first is None else replace(first, axes=first.axes + cell.axes)
+    return list(merged.values())
+
+
+HEAD_DIMS = (32, 48, 64, 96, 128, 256)
+MASKS = ("prefix", "skiplist", "multivector")
+SHORT_QUERIES, LONG_DOCS = (16, 32), (256, 1024, 4096)
+COLPALI_QUERIES = (16, 64, 128)
+
+# Forward bases: a rerank; long docs, 64 MB or more at every head dim (where the read-once
+# ceiling applies); an in-batch batch; ColPali pages (1030 patches); kd and pairs.
+RERANK = Shape("rerank", 1, 1000, 32, 300, 128)
+LONG = Shape("long", 1, 1000, 32, 1024, 128)
+SHORT = replace(LONG, name="short")
+INBATCH = Shape("inbatch", 256, 256, 32, 300, 128)
+COLPALI = Shape("colpali", 1, 1000, 128, 1030, 128)
+GRID_FORWARD = _each_once([
+    *(Cell(_vary(RERANK, d=d), ("head-dim",)) for d in HEAD_DIMS),
+    *(Cell(_vary(RERANK, d=d), ("dtype",), dtype="fp16") for d in HEAD_DIMS),
+    *(Cell(_vary(LONG, d=d), ("head-dim-64mb",)) for d in HEAD_DIMS),
+    *(Cell(base, ("mask",), mask=mask) for base in (RERANK, INBATCH, COLPALI) for mask in MASKS),
+    *(Cell(_vary(LONG, d=d), ("mask-head-dim",), mask=mask)
+      for d in (48, 96) for mask in ("prefix", "multivector")),
+    *(Cell(base, ("ragged",), ragged=form)
+      for base in (RERANK, LONG, INBATCH) for form in ("padded", "packed")),
+    *(Cell(_vary(SHORT, lq=lq, ld=ld), ("short-query",))
+      for lq in SHORT_QUERIES for ld in LONG_DOCS),
+    *(Cell(_vary(COLPALI, lq=lq), ("colpali",)) for lq in COLPALI_QUERIES),
+    Cell(INBATCH, ("layout",)),
+    Cell(Shape("kd", 64, 32, 32, 300, 128), ("layout",), layout="kd"),
+    Cell(Shape("pairs", 1000, 1, 32, 300, 128), ("layout",), layout="pairs"),
+])  # fmt: skip
+
+# Training bases: the training suite's in-batch and kd steps, a short-query batch against
+# long docs and ColPali pages (32 x 32), and pairs.
+TRAIN_INBATCH = Shape("inbatch", 256, 256, 32, 300, 128)
+TRAIN_KD = Shape("kd", 64, 32, 32, 300, 128)
+TRAIN_SHORT = Shape("short", 32, 32, 32, 1024, 128)
+TRAIN_COLPALI = Shape("colpali", 32, 32, 128, 1030, 128)
+GRID_TRAIN = _each_once([
+    *(Cell(_vary(TRAIN_INBATCH, d=d), ("head-dim",)) for d in HEAD_DIMS),
+    *(Cell(_vary(TRAIN_INBATCH, d=d), ("dtype",), dtype="fp16") for d in (96, 128)),
+    *(Cell(TRAIN_INBATCH, ("mask",), mask=mask) for mask in MASKS),
+    *(Cell(TRAIN_KD, ("mask",), mask=mask, layout="kd") for mask in MASKS),
+    *(Cell(TRAIN_INBATCH, ("ragged",), ragged=form) for form in ("padded", "packed")),
+    *(Cell(_vary(TRAIN_SHORT, lq=lq, ld=ld), ("short-query",))
+      for lq in SHORT_QUERIES for ld in LONG_DOCS),
+    *(Cell(_vary(TRAIN_COLPALI, lq=lq), ("colpali",)) for lq in COLPALI_QUERIES),
+    Cell(TRAIN_INBATCH, ("layout",)),
+    Cell(TRAIN_KD, ("layout",), layout="kd"),
+    Cell(Shape("pairs", 256, 1, 32, 300, 128), ("layout",), layout="pairs"),
+])  # fmt: skip

@@ -15,14 +15,14 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _dry_run(name: str, out: Path) -> tuple[dict, str]:
+def _dry_run(name: str, out: Path, *flags: str, suite: str | None = None) -> tuple[dict, str]:
+    script = [sys.executable, str(BENCHMARKS / f"bench_{name}.py"), *flags]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"bench_{name}.py"), "--dry-run", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [*script, "--dry-run", "--out", str(out)], capture_output=True, text=True, timeout=600,
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    (report_path,) = out.glob(f"{name}/*_dry-run.json")  # <suite>/<card>_dry-run.*
+    (report_path,) = out.glob(f"{suite or name}/*_dry-run.json")  # <suite>/<card>_dry-run.*
     markdown = report_path.with_suffix(".md").read_text()
     return json.loads(report_path.read_text()), markdown
 
@@ -76,6 +76,38 @@ def test_a_benchmark_s_dry_run_reports_lik_checked_on_every_shape(name, tmp_path
             assert result["parity_ok"], result
         if "grad_rel_err" in result:  # training rows: every gradient against float64
             assert max(result["grad_rel_err"].values()) < 1e-2, result
+
+
+# The grids' suites, their cells, and the key of lik as a call gets it.
+GRIDS = {"forward": ("GRID_FORWARD", "lik"), "train": ("GRID_TRAIN", "lik-auto")}
+
+
+@pytest.mark.parametrize("name", GRIDS)
+def test_a_grid_dry_run_reports_every_cell_checked_and_why_a_peer_cannot_take_one(name, tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import grid
+    import shapes
+
+    report, markdown = _dry_run(name, tmp_path, "--grid", suite=f"{name}_grid")
+    cells, lik = getattr(shapes, GRIDS[name][0]), GRIDS[name][1]
+    assert [record["name"] for record in report["cells"]] == [cell.name for cell in cells]
+    for cell, record in zip(cells, report["cells"], strict=True):
+        assert f"| {cell.name} | {', '.join(cell.axes)} |" in markdown
+        assert record["results"][lik]["error"] is None and record["results"][lik]["parity_ok"]
+        eager = record["results"]["eager"]  # parity is recorded, and flagged where it fails
+        assert eager["parity_ok"] is not None and eager["error"] is None
+        flash = record["results"]["flash_maxsim" if name == "forward" else "flash"]
+        assert (flash["not_applicable"] == "no holes") == cell.holes, (cell.name, flash)
+        # A peer is either skipped here (no GPU) or cannot take the cell, never dropped.
+        for result in record["results"].values():
+            assert result["not_applicable"] or result["parity_ok"] is not None or (
+                result["error"] == "skipped in dry run"), (cell.name, result)  # fmt: skip
+    used = {result["not_applicable"] for record in report["cells"]
+            for result in record["results"].values() if result["not_applicable"]}  # fmt: skip
+    assert "no holes" in used
+    for code in used:
+        assert f"n/a ({code})" in markdown and grid.NOT_APPLICABLE[code] in markdown
+    assert "## Parity" in markdown or "## Gradient check" in markdown
 
 
 def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):

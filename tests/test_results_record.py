@@ -16,9 +16,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 common = pytest.importorskip("common")
 
-# Every suite a script writes: bench_<suite>.py, and the soak.
-SUITES = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
-SUITES.add("soak")
+# Every suite a script writes: bench_<suite>.py, its grid (<suite>_grid) where it takes
+# --grid, and the soak.
+SCRIPTS = {p.stem.removeprefix("bench_"): p for p in (ROOT / "benchmarks").glob("bench_*.py")}
+SUITES = {*SCRIPTS, "soak"}
+SUITES |= {f"{name}_grid" for name, script in SCRIPTS.items() if '"--grid"' in script.read_text()}
 CARD = re.compile(r"[A-Z]{1,2}\d{2,4}[A-Za-z]?")
 # The CPU suite's cards: vendor and model, then the cores the run had ("AMD_EPYC_2c").
 CPU_CARD = re.compile(r"[A-Z]+(_[A-Za-z0-9]+)*_\d+c")
