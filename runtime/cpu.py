@@ -53,8 +53,9 @@ DOC_BUDGET = 1 << 22
 # prefix lengths (840) fp32 10.7 / 17.3.
 PACK_GAIN = {torch.float32: 16, torch.bfloat16: 48}
 # Packed doc token elements per step: the gathered tokens stay in cache for the matmul
-# (rerank with prefix lengths, fp32: 19.9 ms at 2**20, 25.9 at 2**22, 27.6 at 2**18).
-PACK_BUDGET = 1 << 20
+# (rerank with prefix lengths, fp32, 2-core Xeon, 2-4 runs: 21.6-24.5 ms at 2**21,
+# 24.2-25.5 at 2**20, 23.1-25.8 at 2**22).
+PACK_BUDGET = 1 << 21
 # One doc's similarities to every query token are split by query rows past this.
 SIM_CAP = 1 << 22
 # fp32 elements of bf16 winners' tokens recomputed at once (_DenseScores; 1 MB): small
