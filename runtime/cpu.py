@@ -7,17 +7,22 @@ token in one matmul, doc tokens as rows (S [chunk tokens, query tokens]); masked
 tokens' rows are set to -inf, and each query token's max over each doc's rows is one
 reduction. Where a dense call's doc mask leaves out enough tokens to pay for it, the
 valid tokens are packed first, docs longest first (PACK_GAIN). Memory is bounded by
-SIM_BUDGET (similarities per step), DOC_BUDGET, PACK_BUDGET and SIM_CAP whatever the
-batch; Python loops run per chunk, never per doc. The backward gathers each query
-token's winning doc token and scatters the query token back (no similarity is
+SIM_BUDGET (similarities per step), DOC_BUDGET, PACK_BUDGET, SIM_CAP and WINNER_BUDGET
+whatever the batch; Python loops run per chunk, never per doc. The backward gathers each
+query token's winning doc token and scatters the query token back (no similarity is
 recomputed), chunked by GRAD_BUDGET.
 
 Numerics follow lik.runtime.reference: the max keeps NaN; a masked doc token never wins;
 a query token with no valid doc token adds 0 (the mask decides, not the value: a valid
 row of -inf similarities is a real -inf); masked query tokens add 0; masked_as_zero lets
 a masked doc token compete with similarity 0. Scores accumulate in fp32. fp32 and fp16
-and 16-bit inputs multiply in fp32 (IEEE), so scores land within fp32 rounding of the
-float64 reference (_matmul_dtype).
+inputs, and every call that saves an argmax (training), multiply in fp32 (IEEE), so
+scores land within fp32 rounding of the float64 reference. bf16 scoring multiplies in
+bf16 (_matmul_dtype): the rounded similarities pick each query token's winner, the first
+token at their max, and its similarity is recomputed as an fp32 dot (_exact_max). A
+score is then exact for the tokens it chose; where another token's similarity rounds to
+the winner's (a near tie), the exact max may top the winner's by less than that rounding
+(2**-8 relative; with normalize, of the similarity before the doc token's norm).
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ import torch.nn.functional as F
 LAYOUTS = ("dense", "kd", "pairs")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Similarities per step (fp32 elements; 4 MB). On a 2-core EPYC (AVX512-BF16), rerank 1 x
-# 1000 x 32 x 300 and in-batch 32 x 32 x 32 x 300 (d 128) were within noise of their best
-# from 2**19 to 2**20 (fp32 31-32 and 21-22 ms, bf16 17 and 11-13 ms); 2**17 ran up to
-# 50% slower (per-step overhead), 2**22 up to 20% slower (out of cache). Tests lower it.
+# Similarities per step (fp32 elements; 4 MB; bf16 steps take as many bytes, _budget). On
+# a 2-core EPYC (AVX512-BF16), rerank 1 x 1000 x 32 x 300 and in-batch 32 x 32 x 32 x 300
+# (d 128) in fp32 were within noise of their best from 2**19 to 2**20 (31-32 and 21-22
+# ms); 2**17 ran up to 50% slower (per-step overhead), 2**22 up to 20% slower (out of
+# cache). Tests lower it.
 SIM_BUDGET = 1 << 20
 # Doc token elements per step (16 MB fp32): bounds the step when queries are few (Lq = 1
 # would otherwise take 2**20 doc tokens at once).
@@ -41,28 +47,43 @@ DOC_BUDGET = 1 << 22
 # A doc mask's tokens are packed (_dense_steps) where query rows x masked / valid tokens
 # reach PACK_GAIN[matmul dtype]: packing gathers the valid tokens (at ~memcpy speed) to
 # spare the matmul the masked ones, so it pays less where the matmul is cheap (bf16).
-# Measured on a 2-core EPYC (d 128; packed / in place, ms): rerank 1 x 1000 x 32 x 300
-# with prefix lengths uniform in [32, 300] (gain 26) fp32 20.5 / 28.8, bf16 14.3 / 13.2;
-# with 30% holes (14) fp32 33.7 / 34.0, bf16 20.8 / 14.2; in-batch 32 x 32 with prefix
-# lengths (840) fp32 10.7 / 17.3, bf16 6.6 / 10.2.
+# d 128, packed / in place, ms: rerank 1 x 1000 x 32 x 300 with prefix lengths uniform in
+# [32, 300] (gain 26) fp32 20.5 / 28.8 (2-core EPYC), bf16 21.4 / 16.2 (2-core Xeon,
+# AMX); with 30% holes (14) fp32 33.7 / 34.0, bf16 27.3 / 18.3; in-batch 32 x 32 with
+# prefix lengths (840) fp32 10.7 / 17.3.
 PACK_GAIN = {torch.float32: 16, torch.bfloat16: 48}
 # Packed doc token elements per step: the gathered tokens stay in cache for the matmul
-# (rerank with prefix lengths, fp32: 19.9 ms at 2**20, 25.9 at 2**22, 27.6 at 2**18).
-PACK_BUDGET = 1 << 20
+# (rerank with prefix lengths, fp32, 2-core Xeon, 2-4 runs: 21.6-24.5 ms at 2**21,
+# 24.2-25.5 at 2**20, 23.1-25.8 at 2**22).
+PACK_BUDGET = 1 << 21
 # One doc's similarities to every query token are split by query rows past this.
 SIM_CAP = 1 << 22
+# fp32 elements of bf16 winners' tokens recomputed at once (_DenseScores; 1 MB): small
+# enough that a step's docs are recomputed while still in cache (rerank, d 128: 12.0 ms at
+# 2**18 and 2**19, 13.2 at 2**22; d 48 and in-batch within noise), and short steps share
+# one recompute.
+WINNER_BUDGET = 1 << 18
 # fp32 elements per backward step: the winners' rows gathered (and the query rows
 # scattered) [queries, docs, Lq, d], and the step's docs [docs, Ld, d].
 GRAD_BUDGET = 1 << 22
 EPS = 1e-12  # F.normalize's: x / max(||x||, EPS)
 
 
+def _budget(budget: int, dtype: torch.dtype) -> int:
+    """A budget in fp32 elements as elements of the matmul dtype: the same bytes (bf16 steps
+    of 2**21 similarities ran 12-23% faster than of 2**20, and 8-20% faster than of 2**22
+    between the benchmark's other calls: rerank d 48 and 128, in-batch, 2-core Xeon)."""
+    return budget * 4 // dtype.itemsize
+
+
 def _matmul_dtype(dtype: torch.dtype, training: bool) -> torch.dtype:
-    """Every dtype multiplies in fp32 (IEEE): products of 16-bit inputs are exact there,
-    so scores land within fp32 rounding of the float64 reference, as the GPU kernels'
-    do. bf16 matmuls ran 2.5x faster with AVX512-BF16, but round every similarity to
-    bf16 (relative 4e-3), enough to reorder a retrieval's near ties; fp16 has no fast CPU
-    matmul (7x slower than fp32 at 6000 x 128 x 32)."""
+    """bf16 scoring multiplies in bf16 (AMX: rerank 1 x 1000 x 32 x 300, d 128, 3.8 ms of
+    matmuls against 15.8 in fp32, 2-core Xeon), whose rounded similarities only pick the
+    winners (_exact_max recomputes them). Training multiplies in fp32, so that the saved
+    argmax, hence each gradient, follows the exact winner. fp16 has no fast CPU matmul (7x
+    slower than fp32 at 6000 x 128 x 32)."""
+    if dtype == torch.bfloat16 and not training:
+        return torch.bfloat16
     return torch.float32
 
 
@@ -95,10 +116,9 @@ def _prepare_queries(Q: torch.Tensor, normalize: bool, dtype: torch.dtype):
 
 
 def _scaled_norms(dtype: torch.dtype) -> bool:
-    """With normalize, bf16 matmuls take the raw tokens and the similarities are scaled by
-    both inverse norms in fp32 (as the kernels do), instead of normalized tokens rounded
-    to bf16: that rounding made the bf16 scores' error exceed eager PyTorch's by up to 3x
-    (pairs, 4 x 9 x 13 tokens), where the scaled form stays under it."""
+    """With normalize, bf16 matmuls take the raw tokens, each similarity scaled by its doc
+    token's inverse norm in fp32 before the max and by the query's after it: the docs need
+    no normalized copy, and the winners' recompute reads the tokens the matmul read."""
     return dtype == torch.bfloat16
 
 
@@ -136,20 +156,18 @@ def _load_docs(tokens: torch.Tensor, dtype: torch.dtype, normalize: bool):
 
 
 def _similarities(docs: torch.Tensor, queries_t: torch.Tensor, scale) -> torch.Tensor:
-    """docs [G, T, d] @ queries_t [G, d, R] -> fp32 [G, T, R] in a scratch buffer, each
-    row times scale [G, T, 1] when given. bf16 products are converted to fp32 (with the
-    scale, in the same pass) for the max: over a strided axis it ran 12 ms in bf16
-    against 2 ms for convert + fp32 max (rerank, d 128)."""
+    """docs [G, T, d] @ queries_t [G, d, R] -> [G, T, R] in a scratch buffer, in the matmul
+    dtype, or fp32 times scale [G, T, 1] when given (in the same pass as the conversion)."""
     g, t, r = docs.shape[0], docs.shape[1], queries_t.shape[2]
     sim = _scratch("sims", g * t * r, docs.dtype)[: g * t * r].view(g, t, r)
     if g == 1:
         torch.mm(docs[0], queries_t[0], out=sim[0])
     else:
         torch.bmm(docs, queries_t, out=sim)
-    if sim.dtype == torch.float32 and scale is None:
+    if scale is None:
         return sim
     sim32 = _scratch("sims_fp32", g * t * r, torch.float32)[: g * t * r].view(g, t, r)
-    return sim32.copy_(sim) if scale is None else torch.mul(sim, scale, out=sim32)
+    return torch.mul(sim, scale, out=sim32)
 
 
 def _fill_masked_rows(sim: torch.Tensor, invalid: torch.Tensor) -> None:
@@ -168,6 +186,53 @@ def _token_max(sim, ld, want_index):
     if want_index:
         return torch.max(blocks, dim=2)
     return torch.amax(blocks, dim=2), None
+
+
+def _step_max(chunk, queries_t, scale, invalid, ld, want_index):
+    """One step's max of each query token over each doc's rows: chunk [G, n * ld, d] against
+    queries_t [G, d, R] -> (the max [G, n, R] fp32, the winning row in its doc [G, n, R] or
+    None where not asked). bf16 matmuls round each similarity, so there the max is None and
+    the caller recomputes the winner's similarity (_exact_max)."""
+    sim = _similarities(chunk, queries_t, scale)
+    if invalid is not None:
+        _fill_masked_rows(sim, invalid)
+    if chunk.dtype == torch.bfloat16:
+        return None, _rounded_winners(sim, ld)
+    return _token_max(sim, ld, want_index)
+
+
+def _rounded_winners(sims, ld):
+    """The first row at each query token's max over each doc's rows of sims [G, n * ld, R]
+    (rounded similarities) -> [G, n, R], the row in its doc: a max pool over a
+    channels-last image [G, R, n, ld], one vectorized pass in bf16 with the indices, where
+    torch.max over the strided axis took 3.8x as long (218 docs x 300 tokens x 32 query
+    tokens, 2-core Xeon). A NaN wins, as in torch.max, and its recompute is NaN."""
+    g, t, r = sims.shape
+    image = sims.view(g, t // ld, ld, r).permute(0, 3, 1, 2)
+    rows = F.max_pool2d(image, (1, ld), return_indices=True)[1]
+    return rows.permute(0, 2, 3, 1).reshape(g, t // ld, r).remainder_(ld)
+
+
+def _exact_max(D, rows, queries, normalize):
+    """The winners' similarities, exactly: fp32 dots of D's tokens at rows [G, n, R] (flat
+    indices over D's tokens) with queries [G, R, d] (fp32), over the tokens' norms with
+    normalize -> [G, n, R] (a view). The tokens are gathered doc by doc (nearby rows: 40%
+    faster than query token by query token), then laid out query token by query token for
+    one batched matmul."""
+    d = D.shape[-1]
+    g, n, r = rows.shape
+    size = rows.numel() * d
+    picked = _scratch("picked", size, D.dtype)[:size].view(-1, d)
+    if D.is_contiguous():
+        torch.index_select(D.view(-1, d), 0, rows.view(-1), out=picked)
+    else:
+        picked.copy_(D[torch.unravel_index(rows.view(-1), D.shape[:-1])])
+    wide = _scratch("picked_fp32", size, torch.float32)[:size].view(g, r, n, d)
+    wide.copy_(picked.view(g, n, r, d).transpose(1, 2))
+    dots = torch.bmm(wide.view(g * r, n, d), queries.reshape(g * r, d, 1)).view(g, r, n)
+    if normalize:
+        dots = dots * _inv_norms(wide)
+    return dots.transpose(1, 2)
 
 
 def _keep(best, doc_valid, doc_masked, q_keep, masked_as_zero):
@@ -228,42 +293,78 @@ def _forward_dense(Q, D, q_mask, d_mask, normalize, out, argmax, masked_as_zero)
     queries_t = queries.t().unsqueeze(0)
     # Query rows per step: all of them unless one doc's block would pass the cap.
     row_step = min(rows, max(1, SIM_CAP // D.shape[1]))
-    doc_valid, doc_masked = _doc_flags(d_mask)
-    q_keep = None if q_mask is None else q_mask.reshape(1, rows)
+    store = _DenseScores(out, Q, D, q_mask, d_mask, normalize, q_scale, masked_as_zero)
     for docs, tokens, invalid, positions in _dense_steps(D, d_mask, row_step, rows, dtype):
         n, ld = tokens.shape[0], tokens.shape[1]
         chunk, scale = _load_docs(tokens, dtype, normalize)
         chunk, scale = chunk.unsqueeze(0), None if scale is None else scale.unsqueeze(0)
-        parts = []
-        for r0 in range(0, rows, row_step):
-            sim = _similarities(chunk, queries_t[:, :, r0 : r0 + row_step], scale)
-            if invalid is not None:
-                _fill_masked_rows(sim, invalid.view(1, n * ld))
-            best, index = _token_max(sim, ld, argmax is not None)
-            parts.append((best[0], None if index is None else index[0]))  # [n, rows of step]
-        best = _joined([p[0] for p in parts], 1)
-        if q_scale is not None:
-            best = best * q_scale
-        keep = _keep(best, None if doc_valid is None else doc_valid[docs, None],
-                     None if doc_masked is None else doc_masked[docs, None], q_keep,
-                     masked_as_zero)  # fmt: skip
-        if keep is not None:
-            best = torch.where(keep, best, 0.0)
-        scores = best.view(n, nq, lq).sum(dim=2).t()
-        if isinstance(docs, slice):
-            out[:, docs].copy_(scores)
-        else:
-            out.index_copy_(1, docs, scores)
+        invalid = None if invalid is None else invalid.view(1, n * ld)
+        parts = [_step_max(chunk, queries_t[:, :, r0 : r0 + row_step], scale, invalid, ld,
+                           argmax is not None) for r0 in range(0, rows, row_step)]  # fmt: skip
+        index = None if parts[0][1] is None else _joined([p[1][0] for p in parts], 1)
+        if index is not None and positions is not None:  # packed rows -> the doc's tokens
+            index = positions.gather(1, index)
+        if parts[0][0] is None:  # bf16: the winners' similarities come later, in bulk
+            store.winners(docs, index)
+            continue
+        best, keep = store(docs, _joined([p[0][0] for p in parts], 1))
         if argmax is not None:
-            index = _joined([p[1] for p in parts], 1)
-            if positions is not None:  # packed rows -> the doc's own token indices
-                index = positions.gather(1, index)
             index = _winners(index, best, keep, d_mask is not None)
             index = index.view(n, nq, lq).transpose(0, 1).to(argmax.dtype)
             if isinstance(docs, slice):
                 argmax[:, docs].copy_(index)
             else:
                 argmax.index_copy_(1, docs, index)
+    store.flush()
+
+
+class _DenseScores:
+    """A dense call's scores into out [Nq, Nd], docs at a time: __call__ takes each query
+    token's max over each doc's tokens; winners() takes the winning tokens of bf16 steps
+    and recomputes their similarities (_exact_max) WINNER_BUDGET at a time."""
+
+    def __init__(self, out, Q, D, q_mask, d_mask, normalize, q_scale, masked_as_zero):
+        self.out, self.D, self.normalize, self.q_scale = out, D, normalize, q_scale
+        self.nq, self.lq = Q.shape[0], Q.shape[1]
+        self.queries = Q.reshape(1, -1, Q.shape[2]).float() if Q.dtype == torch.bfloat16 else None
+        self.doc_valid, self.doc_masked = _doc_flags(d_mask)
+        self.q_keep = None if q_mask is None else q_mask.reshape(1, -1)
+        self.masked_as_zero = masked_as_zero
+        self.pending, self.size = [], 0
+
+    def __call__(self, docs, best):
+        """best [n, rows] of docs (a slice or indices) -> (best as kept, where it counts)."""
+        if self.q_scale is not None:
+            best = best * self.q_scale
+        keep = _keep(best, None if self.doc_valid is None else self.doc_valid[docs, None],
+                     None if self.doc_masked is None else self.doc_masked[docs, None],
+                     self.q_keep, self.masked_as_zero)  # fmt: skip
+        if keep is not None:
+            best = torch.where(keep, best, 0.0)
+        scores = best.reshape(best.shape[0], self.nq, self.lq).sum(dim=2).t()
+        if isinstance(docs, slice):
+            self.out[:, docs].copy_(scores)
+        else:
+            self.out.index_copy_(1, docs, scores)
+        return best, keep
+
+    def winners(self, docs, tokens):
+        """tokens [n, rows]: each query token's winning token in each of the docs."""
+        if isinstance(docs, slice):
+            docs = torch.arange(docs.start, docs.stop)
+        self.pending.append((docs, tokens))
+        self.size += tokens.numel() * self.D.shape[-1]
+        if self.size >= WINNER_BUDGET:
+            self.flush()
+
+    def flush(self):
+        if not self.pending:
+            return
+        docs = _joined([p[0] for p in self.pending], 0)
+        tokens = _joined([p[1] for p in self.pending], 0)
+        self.pending, self.size = [], 0
+        rows = (docs.unsqueeze(1) * self.D.shape[1] + tokens).unsqueeze(0)
+        self(docs, _exact_max(self.D, rows, self.queries, self.normalize)[0])
 
 
 def _packing_pays(d_mask, query_rows: int, dtype: torch.dtype) -> bool:
@@ -278,6 +379,7 @@ def _dense_steps(D, d_mask, row_step, query_rows, dtype):
     takes only as many tokens per doc as its longest has valid, valid ones first (a
     stable sort of the mask): masked tokens cost no matmul."""
     nd, ld, d = D.shape
+    sims = _budget(SIM_BUDGET, dtype)
     if d_mask is not None and D.is_contiguous() and _packing_pays(d_mask, query_rows, dtype):
         counts = d_mask.sum(dim=1)
         order = torch.argsort(counts, descending=True, stable=True)
@@ -286,8 +388,8 @@ def _dense_steps(D, d_mask, row_step, query_rows, dtype):
         j0 = 0
         while j0 < nd and sorted_counts[j0] > 0:
             length = sorted_counts[j0]
-            n = min(nd - j0, max(1, min(SIM_BUDGET // (length * row_step),
-                                        PACK_BUDGET // (length * d))))  # fmt: skip
+            n = min(nd - j0, max(1, min(sims // (length * row_step),
+                                        _budget(PACK_BUDGET, dtype) // (length * d))))  # fmt: skip
             docs = order[j0 : j0 + n]
             mask = d_mask[docs]
             positions = torch.sort((~mask).view(torch.uint8), dim=1, stable=True).indices
@@ -301,7 +403,7 @@ def _dense_steps(D, d_mask, row_step, query_rows, dtype):
             docs = order[j0:]
             yield docs, D[docs, :1], torch.ones(nd - j0, 1, dtype=torch.bool), None
         return
-    docs = min(nd, max(1, min(SIM_BUDGET // (ld * row_step), DOC_BUDGET // (ld * d))))
+    docs = min(nd, max(1, min(sims // (ld * row_step), _budget(DOC_BUDGET, dtype) // (ld * d))))
     for j0 in range(0, nd, docs):
         j1 = min(nd, j0 + docs)
         invalid = None if d_mask is None else ~d_mask[j0:j1]
@@ -327,14 +429,16 @@ def _forward_kd(Q, D, q_mask, d_mask, normalize, out, argmax, masked_as_zero):
     nq, lq, d = Q.shape
     k, ld = D.shape[1], D.shape[2]
     q_step = min(lq, max(1, SIM_CAP // ld))  # query tokens per step
-    # Docs per query, then queries, per step: as many as both budgets allow.
-    k_step = min(k, max(1, min(SIM_BUDGET // (ld * q_step), DOC_BUDGET // (ld * d))))
-    i_step = min(nq, max(1, min(SIM_BUDGET // (k_step * ld * q_step),
-                                DOC_BUDGET // (k_step * ld * d))))  # fmt: skip
     dtype = _matmul_dtype(Q.dtype, argmax is not None)
+    # Docs per query, then queries, per step: as many as both budgets allow.
+    sims, docs = _budget(SIM_BUDGET, dtype), _budget(DOC_BUDGET, dtype)
+    k_step = min(k, max(1, min(sims // (ld * q_step), docs // (ld * d))))
+    i_step = min(nq, max(1, min(sims // (k_step * ld * q_step), docs // (k_step * ld * d))))
     queries, q_scale = _prepare_queries(Q, normalize, dtype)
     queries_t = queries.transpose(1, 2)  # [Nq, d, Lq]
+    exact = Q.float() if dtype == torch.bfloat16 else None
     doc_valid, doc_masked = _doc_flags(d_mask)
+    tokens = torch.arange(nq * k).view(nq, k, 1) * ld  # each doc's first token in D
     for i0 in range(0, nq, i_step):
         i1 = min(nq, i0 + i_step)
         b = i1 - i0
@@ -345,13 +449,13 @@ def _forward_kd(Q, D, q_mask, d_mask, normalize, out, argmax, masked_as_zero):
             chunk = chunk.view(b, n * ld, d)
             scale = None if scale is None else scale.view(b, n * ld, 1)
             invalid = None if d_mask is None else ~d_mask[i0:i1, k0:k1].reshape(b, n * ld)
-            parts = []
-            for s0 in range(0, lq, q_step):
-                sim = _similarities(chunk, queries_t[i0:i1, :, s0 : s0 + q_step], scale)
-                if invalid is not None:
-                    _fill_masked_rows(sim, invalid)
-                parts.append(_token_max(sim, ld, argmax is not None))  # [b, n, q_step]
-            best = _joined([p[0] for p in parts], 2)
+            parts = [_step_max(chunk, queries_t[i0:i1, :, s0 : s0 + q_step], scale, invalid,
+                               ld, argmax is not None) for s0 in range(0, lq, q_step)]  # fmt: skip
+            if exact is not None:  # bf16: the winners' similarities, recomputed
+                rows = tokens[i0:i1, k0:k1] + _joined([p[1] for p in parts], 2)
+                best = _exact_max(D, rows, exact[i0:i1], normalize)
+            else:
+                best = _joined([p[0] for p in parts], 2)
             if q_scale is not None:
                 best = best * q_scale[i0:i1, None, :]
             keep = _keep(best, None if doc_valid is None else doc_valid[i0:i1, k0:k1, None],

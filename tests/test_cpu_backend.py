@@ -1,6 +1,7 @@
 """lik.runtime.cpu (the CPU backend) against the float64 reference: every layout and dtype,
 masks (prefix, with holes, fully masked docs and queries), normalize, masked_as_zero,
-odd and empty shapes, the saved argmax, gradients, non-finite values and chunking."""
+odd and empty shapes, the saved argmax, gradients, non-finite values and chunking; bf16
+scoring's bf16 matmuls and the fp32 recompute of their winners."""
 
 from __future__ import annotations
 
@@ -214,13 +215,17 @@ def test_gradients_match_autograd(layout, dtype, mask, normalize, masked_as_zero
 
 
 @pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("normalize", (False, True))
-def test_non_finite_values(layout, normalize):
+def test_non_finite_values(layout, dtype, normalize):
     """NaN and inf in masked tokens reach no score and no gradient; a NaN in a valid doc
-    token makes the scores it takes part in NaN, as the reference does."""
-    g = torch.Generator().manual_seed(stable_seed(layout, normalize, "nan"))
+    token makes the scores it takes part in NaN, as the reference does (bf16 scoring: the
+    docs whose rounded max is not finite take the fp32 path)."""
+    g = torch.Generator().manual_seed(stable_seed(layout, str(dtype), normalize, "nan"))
     q_shape, d_shape, out_shape = _shapes(layout, 3, 6, 4, 10, 8)
-    Q, D = torch.randn(q_shape, generator=g), torch.randn(d_shape, generator=g)
+    Q = torch.randn(q_shape, generator=g).to(dtype)
+    D = torch.randn(d_shape, generator=g).to(dtype)
+    bound = FP32_TOLERANCE if dtype == torch.float32 else TOLERANCE[dtype]
     q_mask, d_mask = _masks("qd", q_shape, d_shape, g)
     Q[~q_mask] = float("nan")
     D[~d_mask] = float("inf")
@@ -240,22 +245,106 @@ def test_non_finite_values(layout, normalize):
     ref = _reference(layout, Q.double(), D.double(), q_mask, d_mask, normalize)
     assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out).any()
     finite = ~torch.isnan(ref)
-    assert relative_error(out[finite], ref[finite]) < FP32_TOLERANCE
+    assert relative_error(out[finite], ref[finite]) < bound
 
 
-def test_valid_minus_inf_is_real_and_fully_masked_docs_score_zero():
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_valid_minus_inf_is_real_and_fully_masked_docs_score_zero(dtype):
     """A valid row of -inf similarities adds -inf (the mask decides, not the value); a doc
     with no valid token adds 0."""
-    Q = torch.ones(1, 2, 4)
+    Q = torch.ones(1, 2, 4, dtype=dtype)
     D = torch.zeros(3, 2, 4)
     D[0] = float("-inf")  # doc 0: valid, every similarity -inf
     D[1] = torch.randn(2, 4)
+    D = D.to(dtype)
     d_mask = torch.tensor([[True, True], [False, False], [True, False]])
     out, _ = _forward("dense", Q, D, None, d_mask, False)
     ref = _reference("dense", Q.double(), D.double(), None, d_mask, False)
     assert out[0, 0] == float("-inf") and ref[0, 0] == float("-inf")
     assert out[0, 1] == 0 and ref[0, 1] == 0
     assert out[0, 2] == ref[0, 2].float()
+
+
+def _planted_near_tie(layout):
+    """One query token q = e0 + e1 and a doc of 4 tokens (K = 1 for kd): similarity 0, then
+    A and B, whose similarities 1 + 2**-9 and 1 + 2**-9 + 2**-11 are distinct in fp32 but
+    both round to 1 in bf16, then a masked 2."""
+    q_shape, d_shape, _ = _shapes(layout, 1, 1, 1, 4, 8)
+    Q = torch.zeros(q_shape)
+    Q[..., :2] = 1
+    D = torch.zeros(d_shape)
+    tokens = D.view(4, 8)
+    tokens[0, :2] = torch.tensor([1.0, -1.0])
+    tokens[1, :2] = torch.tensor([1.0, 2.0**-9])
+    tokens[2, :2] = torch.tensor([1.0, 2.0**-9 + 2.0**-11])
+    tokens[3, 0] = 2.0
+    d_mask = torch.tensor([True, True, True, False]).view(*d_shape[:-1])
+    return Q.bfloat16(), D.bfloat16(), d_mask
+
+
+@pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
+@pytest.mark.parametrize("normalize", (False, True))
+def test_bf16_scoring_recomputes_the_rounded_winner(layout, normalize):
+    """bf16 scoring multiplies in bf16 and recomputes the winner in fp32: where two tokens
+    round to the same similarity, the first (A) wins and adds its exact similarity. fp32
+    products would pick B, and bf16 similarities without the recompute would add 1. Training
+    multiplies in fp32: B wins, and its index is saved for the backward."""
+    Q, D, d_mask = _planted_near_tie(layout)
+    q, a, b = Q.double().view(8), D.double().view(4, 8)[1], D.double().view(4, 8)[2]
+    if normalize:
+        q, a, b = (x / x.norm() for x in (q, a, b))
+    for docs, mask in ((D[..., :3, :], None), (D, d_mask)):  # the 2 left out, or masked
+        out, _ = _forward(layout, Q, docs, None, mask, normalize)
+        assert out.item() == pytest.approx((q @ a).item(), rel=1e-6, abs=0)
+        out, argmax = _forward(layout, Q, docs, None, mask, normalize, training=True)
+        assert out.item() == pytest.approx((q @ b).item(), rel=1e-6, abs=0)
+        assert argmax.item() == 2
+    assert (q @ b - q @ a).item() > 1e-4  # the test tells the three apart
+
+
+def _no_tie_pairs(sim, valid, band):
+    """Which (query token, doc) maxima of sim [..., Ld] (float64) stand apart: the best
+    valid token leads the next by more than `band` of its magnitude."""
+    sim = sim.masked_fill(~valid, float("-inf"))
+    top2 = sim.topk(2, dim=-1).values
+    return (top2[..., 0] - top2[..., 1]) > band * top2[..., 0].abs()
+
+
+@pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
+@pytest.mark.parametrize("mask", ("none", "d_prefix", "d_holes"))
+@pytest.mark.parametrize("normalize", (False, True))
+def test_bf16_scores_are_exact_away_from_near_ties(layout, mask, normalize):
+    """Queries of one token, so that each score is one max: where the best token leads the
+    next by more than bf16 rounding (2**-6 of the max here), the score is its fp32 dot,
+    within fp32 rounding of float64 (bf16 similarities would miss by up to 2**-8); where
+    two lie within it, the score is one of theirs, so it misses the max by less than the
+    rounding."""
+    g = torch.Generator().manual_seed(stable_seed(layout, mask, normalize, "exact"))
+    q_shape, d_shape, _ = _shapes(layout, 40, 1, 7, 33, 24)
+    Q = torch.randn(q_shape, generator=g).bfloat16()
+    D = torch.randn(d_shape, generator=g).bfloat16()
+    _, d_mask = _masks(mask, q_shape, d_shape, g)
+    out, _ = _forward(layout, Q, D, None, d_mask, normalize)
+    ref = _reference(layout, Q.double(), D.double(), None, d_mask, normalize)
+    Qd, Dd = Q.double(), D.double()
+    if normalize:
+        Qd, Dd = (torch.nn.functional.normalize(x, dim=-1) for x in (Qd, Dd))
+    spec = {"dense": "isk,jtk->ijt", "kd": "isk,ijtk->ijt", "pairs": "isk,itk->it"}[layout]
+    sim = torch.einsum(spec, Qd, Dd)
+    valid = torch.ones(sim.shape, dtype=torch.bool)
+    if d_mask is not None:
+        valid = valid & (d_mask[None] if layout == "dense" else d_mask)
+    has_valid = valid.any(-1)
+    apart = _no_tie_pairs(sim, valid, 2.0**-6) & has_valid
+    assert apart.sum() > 0.8 * has_valid.sum() and (has_valid & ~apart).any()
+    err = (out.double() - ref).abs()
+    assert (err[apart] <= 1e-6 * ref[apart].abs()).all(), err[apart].max()
+    assert (err <= 2.0**-6 * ref.abs() + 1e-12).all(), err.max()
+    assert (out[~has_valid] == 0).all()
+    # Rounded similarities would miss by far more: the test tells them apart.
+    rounded = torch.einsum(spec, Qd.bfloat16().double(), Dd.bfloat16().double()).bfloat16()
+    rounded = rounded.double().masked_fill(~valid, float("-inf")).amax(-1)
+    assert ((rounded - ref).abs()[apart] > 1e-5 * ref[apart].abs()).float().mean() > 0.5
 
 
 @pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
@@ -278,6 +367,24 @@ def test_odd_shapes(layout, nq, lq, nd, ld, d):
         ref_Q, ref_D = _autograd_reference(layout, Q, D, q_mask, d_mask, False, False, weights)
         assert relative_error(grad_Q, ref_Q) < FP32_TOLERANCE
         assert relative_error(grad_D, ref_D) < FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
+@pytest.mark.parametrize(
+    "nq, lq, nd, ld, d",
+    [(3, 1, 4, 5, 8), (3, 4, 4, 1, 8), (2, 3, 3, 5, 1), (2, 3, 3, 5, 7), (2, 5, 3, 6, 100),
+     (1, 1, 1, 1, 1)],
+)  # fmt: skip
+def test_odd_shapes_bf16_scoring(layout, nq, lq, nd, ld, d):
+    g = torch.Generator().manual_seed(nq * 1000 + lq * 100 + nd * 10 + ld + d)
+    q_shape, d_shape, _ = _shapes(layout, nq, lq, nd, ld, d)
+    Q = torch.randn(q_shape, generator=g).bfloat16()
+    D = torch.randn(d_shape, generator=g).bfloat16()
+    masked = _masks("qd", q_shape, d_shape, g)
+    for (q_mask, d_mask), normalize in (((None, None), False), (masked, True)):
+        out, _ = _forward(layout, Q, D, q_mask, d_mask, normalize)
+        ref = _reference(layout, Q.double(), D.double(), q_mask, d_mask, normalize)
+        _check_scores(out, ref, torch.bfloat16, f"{layout} {q_shape} {d_shape}")
 
 
 @pytest.mark.parametrize(
@@ -303,9 +410,11 @@ def test_empty_batches(layout, nq, lq, nd, ld):
 @pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("normalize", (False, True))
-def test_chunked_equals_unchunked(monkeypatch, layout, dtype, normalize):
+@pytest.mark.parametrize("winner_budget", (1, None), ids=("recompute per step", "pooled"))
+def test_chunked_equals_unchunked(monkeypatch, layout, dtype, normalize, winner_budget):
     """Budgets small enough to split docs, queries and query tokens into many steps give
-    the scores, winners and gradients of one step."""
+    the scores, winners and gradients of one step, whether bf16 scoring recomputes each
+    step's winners at once or pools many steps' into one recompute."""
     g = torch.Generator().manual_seed(stable_seed(layout, str(dtype), normalize, "chunk"))
     q_shape, d_shape, out_shape = _shapes(layout, 5, 7, 6, 11, 16)
     Q = torch.randn(q_shape, generator=g).to(dtype)
@@ -325,6 +434,8 @@ def test_chunked_equals_unchunked(monkeypatch, layout, dtype, normalize):
     monkeypatch.setattr(cpu, "SIM_CAP", 3)
     monkeypatch.setattr(cpu, "DOC_BUDGET", 1)
     monkeypatch.setattr(cpu, "GRAD_BUDGET", 1)
+    if winner_budget is not None:
+        monkeypatch.setattr(cpu, "WINNER_BUDGET", winner_budget)
     chunked = [run(False), run(True)]
     for (out, argmax, grads), (out_c, argmax_c, grads_c) in zip(whole, chunked, strict=True):
         torch.testing.assert_close(out_c, out, rtol=1e-6, atol=1e-6)
@@ -375,14 +486,16 @@ def test_packed_masks_equal_in_place(monkeypatch, dtype, mask, normalize, masked
 
 
 @pytest.mark.parametrize("bound", ("similarities", "doc tokens"))
-def test_chunk_steps_are_bounded(monkeypatch, bound):
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_chunk_steps_are_bounded(monkeypatch, bound, dtype):
     """A step takes as many docs as the budgets allow: 1 query x 64 docs with room for 4
-    docs' similarities, or 4 docs' tokens, per step takes 16 matmuls."""
+    docs' similarities, or 4 docs' tokens, per step takes 16 matmuls; bf16 scoring's
+    budgets are the same bytes, 8 docs, so 8 matmuls, each in bf16."""
     calls = []
     real_mm = torch.mm
 
     def counting_mm(a, b, *, out=None):
-        calls.append(a.shape[0])
+        calls.append((a.shape[0], a.dtype))
         return real_mm(a, b, out=out)
 
     ld, lq, d = 8, 4, 16
@@ -391,23 +504,29 @@ def test_chunk_steps_are_bounded(monkeypatch, bound):
     else:
         monkeypatch.setattr(cpu, "DOC_BUDGET", 4 * ld * d)
     monkeypatch.setattr(torch, "mm", counting_mm)
-    Q, D = torch.randn(1, lq, d), torch.randn(64, ld, d)
+    Q, D = torch.randn(1, lq, d).to(dtype), torch.randn(64, ld, d).to(dtype)
     out, _ = _forward("dense", Q, D, None, None, False)
     monkeypatch.setattr(torch, "mm", real_mm)
-    assert calls == [4 * ld] * 16
+    docs = 4 * 4 // dtype.itemsize
+    assert calls == [(docs * ld, dtype)] * (64 // docs)
     _check_scores(out, _reference("dense", Q.double(), D.double(), None, None, False),
-                  torch.float32, "bounded")  # fmt: skip
+                  dtype, "bounded")  # fmt: skip
 
 
-def test_non_contiguous_inputs():
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_non_contiguous_inputs(dtype):
     g = torch.Generator().manual_seed(7)
-    Q = torch.randn(3, 16, 5, generator=g).transpose(1, 2)  # [3, 5, 16], strided
-    D = torch.randn(4, 16, 9, generator=g).transpose(1, 2)[::2]  # [2, 9, 16], strided
+    Q = torch.randn(3, 16, 5, generator=g).to(dtype).transpose(1, 2)  # [3, 5, 16], strided
+    D = torch.randn(4, 16, 9, generator=g).to(dtype).transpose(1, 2)[::2]  # [2, 9, 16]
     d_mask = torch.rand(2, 9, generator=g) < 0.7
+    D_kd = torch.randn(3, 16, 2, 9, generator=g).to(dtype).permute(0, 2, 3, 1)  # [3, 2, 9, 16]
     for normalize in (False, True):
         out, _ = _forward("dense", Q, D, None, d_mask, normalize)
         ref = _reference("dense", Q.double(), D.double(), None, d_mask, normalize)
-        _check_scores(out, ref, torch.float32, f"strided normalize={normalize}")
+        _check_scores(out, ref, dtype, f"strided normalize={normalize}")
+        out, _ = _forward("kd", Q, D_kd, None, None, normalize)
+        ref = _reference("kd", Q.double(), D_kd.double(), None, None, normalize)
+        _check_scores(out, ref, dtype, f"strided kd normalize={normalize}")
 
 
 def test_deterministic_and_grad_mode_agnostic():

@@ -22,8 +22,9 @@ SCRIPTS = {p.stem.removeprefix("bench_"): p for p in (ROOT / "benchmarks").glob(
 SUITES = {*SCRIPTS, "soak"}
 SUITES |= {f"{name}_grid" for name, script in SCRIPTS.items() if '"--grid"' in script.read_text()}
 CARD = re.compile(r"[A-Z]{1,2}\d{2,4}[A-Za-z]?")
-# The CPU suite's cards: vendor and model, then the cores the run had ("AMD_EPYC_2c").
-CPU_CARD = re.compile(r"[A-Z]+(_[A-Za-z0-9]+)*_\d+c")
+# The CPU suite's cards: vendor and model, then the cores the run had ("AMD_EPYC_2c",
+# "Intel_R_Xeon_R_Processor_2c").
+CPU_CARD = re.compile(r"[A-Za-z]+(_[A-Za-z0-9]+)*_\d+c")
 FILES = sorted(p for p in RESULTS.rglob("*") if p.is_file())
 JSONS = [p for p in FILES if p.suffix == ".json"]
 DOCS = [
