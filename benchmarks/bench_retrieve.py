@@ -54,6 +54,10 @@ REFERENCE_CHUNK_DOCS = 8192
 # Scores within this of each other are a near tie: bf16 inputs scored in fp32 land ~1e-6
 # from the float64 reference, so two docs this close may trade places legitimately.
 NEAR_TIE = 1e-4
+# lik's CPU backend scores bf16 through bf16 matmuls and recomputes each query token's
+# winner in fp32: where two similarities round to one bf16 value it may keep the lesser,
+# by at most bf16's rounding of a unit-norm similarity (2^-8): a dry run's near ties.
+CPU_BF16_NEAR_TIE = 2**-8
 
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
 
@@ -119,9 +123,10 @@ def check_queries(nq: int, device) -> torch.Tensor:
     return torch.tensor(sorted({0, nq - 1})[:CHECK_QUERIES], device=device)
 
 
-def check_top_k(scores, indices, reference: torch.Tensor, queries: torch.Tensor) -> dict:
+def check_top_k(scores, indices, reference: torch.Tensor, queries: torch.Tensor,
+                near_tie: float = NEAR_TIE) -> dict:  # fmt: skip
     """Top-k of the sampled queries against the reference: identical indices (in order),
-    or differences confined to near ties; scores within NEAR_TIE of the reference's."""
+    or differences confined to near ties; scores within near_tie of the reference's."""
     k = indices.shape[1]
     ref = torch.sort(reference, dim=1, descending=True, stable=True)
     ref_ids, ref_values = ref.indices[:, :k], ref.values[:, :k]
@@ -134,7 +139,7 @@ def check_top_k(scores, indices, reference: torch.Tensor, queries: torch.Tensor)
     exact = bool(torch.equal(got_ids, ref_ids))
     return {
         "topk_exact": exact,
-        "topk_ok": exact or (worst_gap <= NEAR_TIE and score_err <= NEAR_TIE),
+        "topk_ok": exact or (worst_gap <= near_tie and score_err <= near_tie),
         "topk_worst_gap": worst_gap,
         "score_max_abs_err": score_err,
     }
@@ -178,7 +183,9 @@ def measure_run(key, chunk, q, docs, reference, queries, args) -> dict:
     if error:
         return empty_result(key, chunk, error)
     (scores, indices), result["first_call_s"] = first
-    result.update(check_top_k(scores, indices, reference, queries))
+    cpu_bf16 = scores.device.type == "cpu" and q.dtype == torch.bfloat16
+    near_tie = CPU_BF16_NEAR_TIE if cpu_bf16 else NEAR_TIE
+    result.update(check_top_k(scores, indices, reference, queries, near_tie))
     del scores, indices
     timing, error = attempt(lambda: measure(fn, q, docs, args))
     result.update(timing or {"error": error})
@@ -273,7 +280,8 @@ def markdown_report(report: dict) -> str:
         f"({timing['timer']}, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms); "
         "peak = torch.cuda.max_memory_allocated during one call, above the inputs. "
         f"Top-k check: queries {report['cases'][0]['check_queries'] if report['cases'] else []} "
-        f"against float64 scores; near ties = differs only between docs within {NEAR_TIE:g}.",
+        f"against float64 scores; near ties = differs only between docs within {NEAR_TIE:g} "
+        f"({CPU_BF16_NEAR_TIE:g} for bf16 on lik's CPU backend).",
         "",
         results_table(report),
         "",
