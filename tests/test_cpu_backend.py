@@ -347,12 +347,13 @@ def test_bf16_scores_are_exact_away_from_near_ties(layout, mask, normalize):
     assert ((rounded - ref).abs()[apart] > 1e-5 * ref[apart].abs()).float().mean() > 0.5
 
 
+# (nq, lq, nd, ld, d): single tokens, head dims of 1, 7 and 100, a single everything.
+ODD_SHAPES = [(3, 1, 4, 5, 8), (3, 4, 4, 1, 8), (2, 3, 3, 5, 1), (2, 3, 3, 5, 7),
+              (2, 5, 3, 6, 100), (1, 1, 1, 1, 1)]  # fmt: skip
+
+
 @pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
-@pytest.mark.parametrize(
-    "nq, lq, nd, ld, d",
-    [(3, 1, 4, 5, 8), (3, 4, 4, 1, 8), (2, 3, 3, 5, 1), (2, 3, 3, 5, 7), (2, 5, 3, 6, 100),
-     (1, 1, 1, 1, 1)],
-)  # fmt: skip
+@pytest.mark.parametrize("nq, lq, nd, ld, d", ODD_SHAPES)
 def test_odd_shapes(layout, nq, lq, nd, ld, d):
     g = torch.Generator().manual_seed(nq * 1000 + lq * 100 + nd * 10 + ld + d)
     q_shape, d_shape, out_shape = _shapes(layout, nq, lq, nd, ld, d)
@@ -370,11 +371,7 @@ def test_odd_shapes(layout, nq, lq, nd, ld, d):
 
 
 @pytest.mark.parametrize("layout", ("dense", "kd", "pairs"))
-@pytest.mark.parametrize(
-    "nq, lq, nd, ld, d",
-    [(3, 1, 4, 5, 8), (3, 4, 4, 1, 8), (2, 3, 3, 5, 1), (2, 3, 3, 5, 7), (2, 5, 3, 6, 100),
-     (1, 1, 1, 1, 1)],
-)  # fmt: skip
+@pytest.mark.parametrize("nq, lq, nd, ld, d", ODD_SHAPES)
 def test_odd_shapes_bf16_scoring(layout, nq, lq, nd, ld, d):
     g = torch.Generator().manual_seed(nq * 1000 + lq * 100 + nd * 10 + ld + d)
     q_shape, d_shape, _ = _shapes(layout, nq, lq, nd, ld, d)
