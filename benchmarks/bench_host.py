@@ -4,8 +4,8 @@ Each call is issued back to back behind a long GPU spin (torch.cuda._sleep), so 
 never catches up and the host is the only clock: the figure is the host's cost per call
 whatever the kernels take. Best of ROUNDS rounds of `--calls` calls, one sync per round;
 a round that outlasts its spin is run again with half the calls behind a spin twice as
-long: an entry of many small kernels fills CUDA's launch queue (about a thousand
-launches), where the host waits for the GPU however long the spin.
+long: an entry of many small kernels may fill CUDA's launch queue (about a thousand
+launches), where the host would wait for the GPU however long the spin.
 
 Rows, on a small batch (8 queries of 32 tokens, 8 docs of 64, d 128, bf16):
 - the core entries, a forward call (no grad) and a training step (forward, then
