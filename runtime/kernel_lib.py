@@ -56,6 +56,23 @@ def valid_tokens(d_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if d_mask is None else d_mask.sum(-1, dtype=torch.int32)
 
 
+# Mask bytes doc_extent reads per step: one 16-byte load per thread of a 1-warp program.
+EXTENT_CHUNK = tl.constexpr(512)
+
+
+@triton.jit
+def doc_extent(mask, base, stride, length):
+    """One past a masked doc's last valid token (0 when it has none), at most length: its
+    tile loops stop there, so a doc padded at its end (prefix and ragged masks, as
+    collators pad) reads none of its padding."""
+    extent = length * 0  # length's type: the loops that read it carry it
+    for start in range(0, length, EXTENT_CHUNK):
+        offs = start + tl.arange(0, EXTENT_CHUNK)
+        valid = tl.load(mask + base + offs * stride, mask=offs < length, other=0) != 0
+        extent = tl.maximum(extent, tl.max(tl.where(valid, offs + 1, 0)).to(extent.dtype))
+    return extent
+
+
 @triton.jit
 def doc_has_token(d_tokens, index):
     """Whether a doc with a mask has a valid token, from its count (valid_tokens), so that

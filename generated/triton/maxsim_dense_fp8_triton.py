@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": true, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3c7fdef1c3450abcfcba7a1f3c2bca60ad97c1ce0dc1799713837aaa4cbfe137
+# body-sha256: 535debc6c848445bb0621f7f9b3e3872b29d810f775eef1b37b8fa1a5f06be42
 
 """MaxSim forward for maxsim_dense_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -146,6 +147,7 @@ def maxsim_dense_fp8_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
     d_scale_base = doc * stride_sdb
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)

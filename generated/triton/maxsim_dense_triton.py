@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: f9388893a729337d47fee7078c5490c3d80200301ac83db5a3036cea0611790d
+# body-sha256: 4adab8b7152fc42e920909f2de3587eecfb02eb4e764d68249c11918a48bb6c7
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -159,6 +160,8 @@ def maxsim_dense_triton_fwd_kernel(
             if HAS_D_MASK:
                 d_mask_base = doc * stride_dmb
 
+            if HAS_D_MASK:
+                d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
             best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
             if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
                 first = 0
@@ -249,7 +252,7 @@ def maxsim_dense_triton_fwd_kernel(
                 if HAS_D_MASK:
                     scored = q_valid & doc_has_token(d_tokens, doc)
                     if MASKED_AS_ZERO:
-                        scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
+                        scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -275,7 +278,7 @@ def maxsim_dense_triton_fwd_kernel(
                 if HAS_D_MASK:
                     scored = q_valid & doc_has_token(d_tokens, doc)
                     if MASKED_AS_ZERO:
-                        scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
+                        scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
                 else:
                     scored = q_valid & (d_len > 0)
                 final = tl.where(scored, final, 0.0)
@@ -361,7 +364,7 @@ def maxsim_dense_triton_fwd_kernel(
             if HAS_D_MASK:
                 scored = q_valid & doc_has_token(d_tokens, doc)
                 if MASKED_AS_ZERO:
-                    scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
+                    scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
             else:
                 scored = q_valid & (d_len > 0)
             final = tl.where(scored, final, 0.0)

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c40220ee6a2e050bb4fe7cb287e3b23c274091a51afc5eb206b83f2e6547a8b2
+# body-sha256: e471a4767b113434626bb1e69cc3be70d6ed59c039d2346569952cd7dd89075c
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -142,6 +143,7 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
@@ -234,7 +236,7 @@ def maxsim_dense_triton_lowmem_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, doc)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

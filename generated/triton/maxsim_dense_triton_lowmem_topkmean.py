@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 960fb9ce4226a0fc3ab8be205ea608d7668b276fcd89dd60138646ce52805b03
+# body-sha256: 02bc9d0ca2d66456ce65f1178673599747edeeeccbef8cdf079a7412765f4547
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -197,6 +198,7 @@ def maxsim_dense_triton_lowmem_topkmean_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, TOKEN_K, TOKEN_SLOTS)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

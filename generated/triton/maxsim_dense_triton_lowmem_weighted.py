@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 2d539c3822eb7a9b406844e5979211cf9cb1dec106bd1b1f881073a10a3d0612
+# body-sha256: b2c8d4f980aaa82636b763dca4ee48ecde08a8415413a2edd078ce160780fb4c
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -172,6 +173,7 @@ def maxsim_dense_triton_lowmem_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3f0fff1d9629656f77df165e3902f6d8593c4a151fb1537fde3b5ec53178e096
+# body-sha256: c56ed27a69f38ff7c0acc92e7beef74962c203e1e7d05affa22c9727b121c1ae
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: af0fd913014e750559013d36b43889999ab53711ddb80b508035d68c305fced4
+# body-sha256: 7451c30a47fdc6b46787ce00888f0b2266220e6f4d66220646a9247db55470a8
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

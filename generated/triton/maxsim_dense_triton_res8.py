@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2c908b0a64412fdba27dc84f63b86a6ca059d8f3052b7cf55e6fb696beff4ad5
+# body-sha256: ea11a62f8d6495b720a3400c4038c372446958f98c7090d53c9922ed01567d03
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_dense_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

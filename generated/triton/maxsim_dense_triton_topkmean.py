@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: d61173e66cba5cc849d9024ffa11364411568a4c8e8f785d778ab70310cd7884
+# body-sha256: 35ba3d0ab3d606dca30d7373abbddf3185645c92747bfdffa505d7e0e40981e4
 
 """MaxSim forward for maxsim_dense_triton_topkmean: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -192,6 +193,7 @@ def maxsim_dense_triton_topkmean_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, TOKEN_K, TOKEN_SLOTS)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c89db869e45dc9375a307fa6b83050967c81b9d96830a7ee63fb8ff38c9cae09
+# body-sha256: 9b170f8808c3763477122a4c8473c0c6e0cb1fb5bc5fc459e78f180d679f39a2
 
 """MaxSim training (unified backward) for maxsim_dense_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -142,6 +143,7 @@ def maxsim_dense_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
@@ -234,7 +236,7 @@ def maxsim_dense_triton_unified_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, doc)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, doc, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 95d06ffde573833bcfad2622c710dcf0e020770cebc3b80e6bf42969e5052144
+# body-sha256: 902f5794a91f25b7954f4500a5e0972b7526d58e2662e91a63870cea375b0811
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -168,6 +169,7 @@ def maxsim_dense_triton_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

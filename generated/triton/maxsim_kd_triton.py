@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4f12e04e1442eccbd09b20899447aed130fd9b7da95bce3ee878716edb1f0286
+# body-sha256: 09a298a1e9505ad80802577c660ed96c4d853f6ee343e2134da86a895e67b421
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -131,6 +132,7 @@ def maxsim_kd_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb + doc * stride_dmc
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
@@ -152,7 +154,7 @@ def maxsim_kd_triton_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query * K + doc)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

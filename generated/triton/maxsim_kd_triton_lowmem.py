@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 00e97b91983d91a4fd432f19003ac3d9f3cc203081bd6fdd09dad47599ce543a
+# body-sha256: d8ae0d0fa79bf0c5d4e0ee38e9e015933a6903485c0cf39925b123326c5bf0ee
 
 """MaxSim training (lowmem backward) for maxsim_kd_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -135,6 +136,7 @@ def maxsim_kd_triton_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb + doc * stride_dmc
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
@@ -157,7 +159,7 @@ def maxsim_kd_triton_lowmem_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query * K + doc)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 5c1871d9990e37a87632017216d8ca51972c20a1e61b2ffa946457de239c60c1
+# body-sha256: 2e92bbc9d7211a23f73a8040b09d21e7f47374684baa1ca566484d7c45c36e92
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -135,6 +136,7 @@ def maxsim_kd_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb + doc * stride_dmc
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
@@ -157,7 +159,7 @@ def maxsim_kd_triton_unified_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query * K + doc)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 29b9942613de7142e9a51d58ccd9aafe14657325a1ca797851498b3c1d1b829b
+# body-sha256: 4680215d840837c4c3451b50cea2caabd97f9537ff4e50292b0484734d65358d
 
 """MaxSim forward for maxsim_packedpairs_triton: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

@@ -2,7 +2,7 @@
 # kernel: maxsim_packedpairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "packed_pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: f40b10babda4bb472d970dab76957d691f1c7f2a665b10b320bfde6937ea44c0
+# body-sha256: 22d1c2e92e3d294eeef7d132ae064c02e48832eb6fe993516849ae8040a52475
 
 """MaxSim training (unified backward) for maxsim_packedpairs_triton_unified: Q [Nq, Lq, d] against D -> [P] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

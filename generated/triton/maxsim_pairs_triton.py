@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c17fa9fa474ef3db51691e48e15f4d81d121de936084cf51b12933544651cee1
+# body-sha256: 20b522a31b88682d5416da720b72f5101665fca60a043f4e57343aa335a55fb5
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -126,6 +127,7 @@ def maxsim_pairs_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
@@ -147,7 +149,7 @@ def maxsim_pairs_triton_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, query, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: fcbabbe5aeaaa2ec1d9c27392f0a2bd3d7f2c8fcb48d847e1cbd91a6b42f326f
+# body-sha256: 8f6cc8240b009784111cb5e6ed5e8d7cd87d2993e6e59c68d66c222f9b9c1f45
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -129,6 +130,7 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
@@ -151,7 +153,7 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     if HAS_D_MASK:
         scored = q_valid & doc_has_token(d_tokens, query)
         if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query, d_len)
+            scored = masked_as_zero(scored, best, d_tokens, query, Ld)
     else:
         scored = q_valid & (d_len > 0)
     if NORMALIZE:

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: e3b1f16111b46bec56d43b36b2740c77fb5129518043fad9b083ccdd4994b1fa
+# body-sha256: 144dcaa51c15f813b7d37b6403a71b20233f9ce5fa217a0e88a12cb074703e69
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -161,6 +162,7 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 358a9812e6fc58cc56f39305e357a219d2ddf526ba264d7c76fa53c09931fd2d
+# body-sha256: f2df4cecc2bd6b39467b06d9f1b10445b527ad1633227b8e9427c88980e4d8fd
 
 """MaxSim forward for maxsim_pairs_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -157,6 +158,7 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

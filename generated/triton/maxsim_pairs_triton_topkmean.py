@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_topkmean
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: c385624e1c59f04508adc861347054e235f73215299ac6c5df79a0a4548bd7d3
+# body-sha256: ab97850ccc79d47d0e820e26ab9c8cf9d1de75eb1584296a181251baaf4ed238
 
 """MaxSim forward for maxsim_pairs_triton_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -182,6 +183,7 @@ def maxsim_pairs_triton_topkmean_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, TOKEN_K, TOKEN_SLOTS)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

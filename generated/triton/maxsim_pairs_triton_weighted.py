@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 393c8fce8d6227f7f78d5d8064b5f01622ff4faaf767a03ecd88e9c27e7ff8db
+# body-sha256: 2d79a47e97584dabe2e57efa0f22ab3a89d2bd9dde950a99969f26da9e5c2aca
 
 """MaxSim forward for maxsim_pairs_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -158,6 +159,7 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
+        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9e2fc3f63c49af3c14e33ffb07fee97c2437051f707c9192679a725ffe414f86
+# body-sha256: 470bd79031a66b9244f630aeb187c40c5a853696d854fb062e51ccc90e45e2c7
 
 """MaxSim forward for maxsim_varlen_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

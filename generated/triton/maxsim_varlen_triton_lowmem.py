@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9ed6afa7a3699a81571c4691088ef5a531932f3cec25d8bcbf37886285f467c8
+# body-sha256: 7d38c375213d394855d330133a169ed039afb1d8fc5ebca419598794ddeca090
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

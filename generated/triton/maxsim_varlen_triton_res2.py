@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res2
 # spec: {"backward": "none", "decompression": "residual2", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 555dfce92e8eca3be439f7088f670b5358d204cea4d2ea5631213fc9ace1506f
+# body-sha256: c747695c1a145b56806b021bc7831e2e0179464ba12e1f946be600b58467ee14
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res2: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

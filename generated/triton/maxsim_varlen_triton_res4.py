@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res4
 # spec: {"backward": "none", "decompression": "residual4", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: d80bcf85c5c1ea1a96f6499b9b48d24964cdc39ebf3191b5024abc58f91107f0
+# body-sha256: 6c0b3a30abe8976e4579a84a9bcaef25051984c6e39126299c12feed7add0627
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res4: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_res8
 # spec: {"backward": "none", "decompression": "residual8", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/residual.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: c16963bc5e6addc41b958b14836b0ebb107bc9b4a7e7ef19f45c321a75c6adfc
+# body-sha256: ec8edeffc931e056a8fc639730faa247fc19aa721e21d2a74518b3c251ccdfe6
 
 """MaxSim forward over PLAID residual-compressed documents for maxsim_varlen_triton_res8: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 209142596047243a5cb324e42f2af371414fc5afbd239ff450eb3bec3c887753
+# body-sha256: 88c39719cca91357ffc742ca3ccaae4b6e27fc32410ef59f6a8e9849e06c37ff
 
 """MaxSim training (unified backward) for maxsim_varlen_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,

@@ -2,7 +2,7 @@
 # kernel: topk_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "topk", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 79ab7c912ac201fbfee60fc5afd3e50f43e33928be9d6195563e1eacfee3ed6d
+# body-sha256: 3097dcfdc5bc25dd75b3936a710e2a83cf02b514b863c969a8d9fb35ac13cea5
 
 """MaxSim top-k candidates (retrieval) for topk_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -13,6 +13,7 @@ import triton.language as tl
 from lik.runtime.kernel_lib import (
     NO_STRIDES,
     column_argmax_step,
+    doc_extent,
     doc_has_token,
     dot_config,
     fold_column_argmax,
@@ -153,6 +154,7 @@ def topk_dense_triton_fwd_kernel(
 
         if HAS_D_MASK:
             d_mask_base = doc * stride_dmb
+            d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
         best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
         for start in range(0, d_len, BLOCK_L):
