@@ -1,6 +1,7 @@
 """retrieve_sharded over 2 CPU processes (gloo): the same results as retrieve on the
 concatenated corpus, for uneven shards, an empty shard, ties across shards, top_k above
-the corpus size, chunking and masks; and the torchrun launcher of the command line.
+the corpus size, chunking and masks, under torch.compile too; and the torchrun launcher
+of the command line.
 
 One spawn runs every scenario, so the processes start (and import torch) only once. The
 child processes score on the reference path: the cross-rank merge is what is under test
@@ -48,6 +49,10 @@ SCENARIOS = [
     Scenario("masks-smallest", (5, 6), 4, largest=False, with_masks=True),
 ]
 
+# torch.compile runs it with graph breaks: the merge reads every rank's shard size and
+# candidate count on the host, which decide the offsets and the result's shape.
+COMPILED_SCENARIO = SCENARIOS[1]
+
 
 def corpus(scenario: Scenario):
     """Integer-valued embeddings (exact scores on every path) with duplicates that straddle
@@ -94,6 +99,17 @@ def bad_input_on_rank_1(rank: int) -> str:
     return "no error"
 
 
+def fullgraph_outcome(rank: int) -> str:
+    """What torch.compile(fullgraph=True) makes of retrieve_sharded: the host exchange
+    cannot be traced, so it refuses (on every rank, before any collective it would hold)."""
+    compiled = torch.compile(run_scenario, backend="aot_eager", fullgraph=True)
+    try:
+        compiled(COMPILED_SCENARIO, rank)
+    except Exception as exc:  # noqa: BLE001 - dynamo's error classes vary by release
+        return "refused" if "torch._dynamo" in type(exc).__module__ else repr(exc)
+    return "traced"
+
+
 def worker(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE
@@ -101,6 +117,10 @@ def worker(rank: int, store_path: str, out_dir: str) -> None:
     try:
         results = {s.name: run_scenario(s, rank) for s in SCENARIOS}
         results["bad-input"] = bad_input_on_rank_1(rank)
+        results["fullgraph"] = fullgraph_outcome(rank)
+        torch._dynamo.reset()  # the next compile must not reuse this one's frames
+        compiled = torch.compile(run_scenario, backend="aot_eager")
+        results["compiled"] = compiled(COMPILED_SCENARIO, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -131,6 +151,18 @@ def test_every_rank_gets_the_single_process_results(rank_results, scenario):
         scores, ids = results[scenario.name]
         assert torch.equal(ids, expected_ids), f"rank {rank}: {ids} != {expected_ids}"
         assert torch.equal(scores, expected_scores), f"rank {rank}"
+
+
+def test_compiled_gives_the_eager_results(rank_results):
+    expected_scores, expected_ids = expected_results(COMPILED_SCENARIO)
+    for rank, results in enumerate(rank_results):
+        scores, ids = results["compiled"]
+        assert torch.equal(ids, expected_ids), f"rank {rank}: {ids} != {expected_ids}"
+        assert torch.equal(scores, expected_scores), f"rank {rank}"
+
+
+def test_fullgraph_refuses_the_host_exchange(rank_results):
+    assert [results["fullgraph"] for results in rank_results] == ["refused"] * WORLD_SIZE
 
 
 def test_scenarios_exercise_ties_across_shards():
