@@ -193,8 +193,10 @@ def kernel_args(
         fwd += [KernelArg("q_mask", "q_mask")]
     if variant.mask.has_d:
         fwd += [KernelArg("d_mask", "d_mask")]
-        if variant.target is Target.TRITON:  # each doc's count of valid tokens
-            fwd += [KernelArg("d_tokens", "valid_tokens(d_mask)")]
+        # Each doc's count of valid tokens, for the flat loop of streamed short docs only:
+        # the other loops count them per doc (kernel_lib.doc_extent).
+        if variant.target is Target.TRITON and streams_docs(variant):
+            fwd += [KernelArg("d_tokens", "valid_tokens(d_mask) if config.flat_docs else None")]
     if variant.mask.has_q:
         fwd_strides += strides("qm", "q_mask", ("b", "s"))
     if variant.mask.has_d:

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_fp8_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": true, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 535debc6c848445bb0621f7f9b3e3872b29d810f775eef1b37b8fa1a5f06be42
+# body-sha256: b9124bb3c26f3984a00a31b871d53886d8b6e24c90ea7849a16f065e9471a7d5
 
 """MaxSim forward for maxsim_dense_fp8_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -72,7 +72,6 @@ def maxsim_dense_fp8_triton_fwd_kernel(
     scale_D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Nq,
     Lq,
@@ -147,7 +146,7 @@ def maxsim_dense_fp8_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
     d_scale_base = doc * stride_sdb
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
@@ -181,10 +180,7 @@ def maxsim_dense_fp8_triton_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, doc)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     if NORMALIZE:
         best = best * q_scale
     best = best * q_token_scale
@@ -233,7 +229,6 @@ def launch(out, Q, D, scale_Q, scale_D, q_mask=None, d_mask=None, *, normalize, 
         scale_D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         Nq,
         Lq,

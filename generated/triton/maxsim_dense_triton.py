@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 4adab8b7152fc42e920909f2de3587eecfb02eb4e764d68249c11918a48bb6c7
+# body-sha256: 10db199fd7e0d02419263ef9f1b3df2295112e723711aa32906bb85e8ab583fa
 
 """MaxSim forward for maxsim_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -161,7 +161,7 @@ def maxsim_dense_triton_fwd_kernel(
                 d_mask_base = doc * stride_dmb
 
             if HAS_D_MASK:
-                d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+                d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
             best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
             if DOC_SPLITS == 1:  # the whole doc, with loop bounds as plain as they come
                 first = 0
@@ -249,12 +249,9 @@ def maxsim_dense_triton_fwd_kernel(
                 else:
                     final = best
 
-                if HAS_D_MASK:
-                    scored = q_valid & doc_has_token(d_tokens, doc)
-                    if MASKED_AS_ZERO:
-                        scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
-                else:
-                    scored = q_valid & (d_len > 0)
+                scored = q_valid & (d_len > 0)
+                if HAS_D_MASK and MASKED_AS_ZERO:
+                    scored = masked_as_zero(scored, best, d_count < Ld)
                 final = tl.where(scored, final, 0.0)
                 scores = tl.sum(tl.reshape(final, [QUERY_GROUP, BLOCK_Q]), axis=1)
 
@@ -275,12 +272,9 @@ def maxsim_dense_triton_fwd_kernel(
                 # which the ranges' max keeps; any other row's -inf is real. Every row is
                 # written, so the reduce reads whole rows without masks. Layout: [Nd,
                 # DOC_SPLITS, groups, rows].
-                if HAS_D_MASK:
-                    scored = q_valid & doc_has_token(d_tokens, doc)
-                    if MASKED_AS_ZERO:
-                        scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
-                else:
-                    scored = q_valid & (d_len > 0)
+                scored = q_valid & (d_len > 0)
+                if HAS_D_MASK and MASKED_AS_ZERO:
+                    scored = masked_as_zero(scored, best, d_count < Ld)
                 final = tl.where(scored, final, 0.0)
                 tl.store(
                     Partial + (doc_block * groups + group) * (QUERY_GROUP * BLOCK_Q) + rows, final
@@ -364,7 +358,8 @@ def maxsim_dense_triton_fwd_kernel(
             if HAS_D_MASK:
                 scored = q_valid & doc_has_token(d_tokens, doc)
                 if MASKED_AS_ZERO:
-                    scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
+                    holes = tl.load(d_tokens + doc) < Ld
+                    scored = masked_as_zero(scored, best, holes)
             else:
                 scored = q_valid & (d_len > 0)
             final = tl.where(scored, final, 0.0)
@@ -434,7 +429,7 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normali
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
+        valid_tokens(d_mask) if config.flat_docs else None,
         out,
         partial,
         arrivals,

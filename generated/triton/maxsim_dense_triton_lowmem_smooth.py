@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 5d9f7108dc6602aa52e65548cc0f84f9dd02967b24a2d340033274f601baf39f
+# body-sha256: e46d77125ef601e4ff8fcd1ee3f06bcf04822422e187ac0e01353477b6b4c26f
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -102,7 +102,6 @@ def maxsim_dense_triton_lowmem_smooth_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     tau,
     Saved,
@@ -172,7 +171,7 @@ def maxsim_dense_triton_lowmem_smooth_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -201,10 +200,7 @@ def maxsim_dense_triton_lowmem_smooth_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, doc)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
@@ -504,7 +500,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, tau, saved, normalize, config
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         tau,
         saved,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: b2c8d4f980aaa82636b763dca4ee48ecde08a8415413a2edd078ce160780fb4c
+# body-sha256: c8f17e38042338a7295932740b1e9dd597bcf815c63e314a3b3a739b34a6e4cb
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -100,7 +100,6 @@ def maxsim_dense_triton_lowmem_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Saved,
     Nq,
@@ -173,7 +172,7 @@ def maxsim_dense_triton_lowmem_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -202,10 +201,7 @@ def maxsim_dense_triton_lowmem_weighted_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, doc)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     best = best * weight
@@ -531,7 +527,6 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, saved, normalize, config):
         W,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         saved,
         Nq,

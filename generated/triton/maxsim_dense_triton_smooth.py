@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: f7209720ad9e9993ef7edf7172384da79cc4a3736ab557598ddfa18134575b5d
+# body-sha256: b40ef45d8355fa9cec5627dd044ccf1223ea3f6593e983f8c88b7809dd7d3486
 
 """MaxSim forward for maxsim_dense_triton_smooth: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -102,7 +102,6 @@ def maxsim_dense_triton_smooth_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     tau,
     Nq,
@@ -168,7 +167,7 @@ def maxsim_dense_triton_smooth_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -197,10 +196,7 @@ def maxsim_dense_triton_smooth_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, doc)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     scores = tl.sum(tl.reshape(best, [QUERY_GROUP, BLOCK_Q]), axis=1)
@@ -240,7 +236,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, tau, normalize, config):
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         tau,
         Nq,

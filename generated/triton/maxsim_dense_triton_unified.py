@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 9b170f8808c3763477122a4c8473c0c6e0cb1fb5bc5fc459e78f180d679f39a2
+# body-sha256: 35a809ae9b28bfa41307045d56abd29d0812345567f679114103f6140752548f
 
 """MaxSim training (unified backward) for maxsim_dense_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -71,7 +71,6 @@ def maxsim_dense_triton_unified_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Argmax,
     Nq,
@@ -143,7 +142,7 @@ def maxsim_dense_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([QUERY_GROUP * BLOCK_Q], -1, dtype=tl.int32)
@@ -233,12 +232,9 @@ def maxsim_dense_triton_unified_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, doc)
-        if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, doc, Ld)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
+    if HAS_D_MASK and MASKED_AS_ZERO:
+        scored = masked_as_zero(scored, best, d_count < Ld)
     if NORMALIZE:
         best = best * q_scale
     best = tl.where(scored, best, 0.0)
@@ -418,7 +414,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False,
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         argmax,
         Nq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 902f5794a91f25b7954f4500a5e0972b7526d58e2662e91a63870cea375b0811
+# body-sha256: 05bd479eb7b4d5eb69971f3298dd2dcf38e25da6e65f2d2ba9725d359b882d65
 
 """MaxSim forward for maxsim_dense_triton_weighted: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -100,7 +100,6 @@ def maxsim_dense_triton_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Nq,
     Lq,
@@ -169,7 +168,7 @@ def maxsim_dense_triton_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = doc * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(QUERY_GROUP * BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -198,10 +197,7 @@ def maxsim_dense_triton_weighted_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, doc)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     best = best * weight
@@ -244,7 +240,6 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, normalize, config):
         W,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         Nq,
         Lq,

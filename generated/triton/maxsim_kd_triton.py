@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 09a298a1e9505ad80802577c660ed96c4d853f6ee343e2134da86a895e67b421
+# body-sha256: 45fb305b04870395c69353980d3183f74e904c9341fd01b045f36b849c77798c
 
 """MaxSim forward for maxsim_kd_triton: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -71,7 +71,6 @@ def maxsim_kd_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     K,
     Lq,
@@ -132,7 +131,7 @@ def maxsim_kd_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb + doc * stride_dmc
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
@@ -151,12 +150,9 @@ def maxsim_kd_triton_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query * K + doc)
-        if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, Ld)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
+    if HAS_D_MASK and MASKED_AS_ZERO:
+        scored = masked_as_zero(scored, best, d_count < Ld)
     if NORMALIZE:
         best = best * q_scale
     best = tl.where(scored, best, 0.0)
@@ -196,7 +192,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normali
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         K,
         Lq,

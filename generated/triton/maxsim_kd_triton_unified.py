@@ -2,7 +2,7 @@
 # kernel: maxsim_kd_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "kd", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 2e92bbc9d7211a23f73a8040b09d21e7f47374684baa1ca566484d7c45c36e92
+# body-sha256: bc3067018adcc3e5fd635498d899073f6899ff503eb1a749f7eb383b2be219b4
 
 """MaxSim training (unified backward) for maxsim_kd_triton_unified: Q [Nq, Lq, d] against D -> [Nq, K] fp32."""
 
@@ -71,7 +71,6 @@ def maxsim_kd_triton_unified_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Argmax,
     K,
@@ -136,7 +135,7 @@ def maxsim_kd_triton_unified_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb + doc * stride_dmc
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
@@ -156,12 +155,9 @@ def maxsim_kd_triton_unified_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query * K + doc)
-        if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query * K + doc, Ld)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
+    if HAS_D_MASK and MASKED_AS_ZERO:
+        scored = masked_as_zero(scored, best, d_count < Ld)
     if NORMALIZE:
         best = best * q_scale
     best = tl.where(scored, best, 0.0)
@@ -335,7 +331,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False,
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         argmax,
         K,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 20b522a31b88682d5416da720b72f5101665fca60a043f4e57343aa335a55fb5
+# body-sha256: 87e3eaae9468c60619164503541043bd07baae52409b5ced6af4c883cb8cdc51
 
 """MaxSim forward for maxsim_pairs_triton: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -71,7 +71,6 @@ def maxsim_pairs_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Lq,
     Ld,
@@ -127,7 +126,7 @@ def maxsim_pairs_triton_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     for start in range(0, d_len, BLOCK_L):
@@ -146,12 +145,9 @@ def maxsim_pairs_triton_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-        if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query, Ld)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
+    if HAS_D_MASK and MASKED_AS_ZERO:
+        scored = masked_as_zero(scored, best, d_count < Ld)
     if NORMALIZE:
         best = best * q_scale
     best = tl.where(scored, best, 0.0)
@@ -190,7 +186,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, masked_as_zero=False, normali
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         Lq,
         Ld,

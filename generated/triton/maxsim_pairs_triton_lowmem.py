@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 8f6cc8240b009784111cb5e6ed5e8d7cd87d2993e6e59c68d66c222f9b9c1f45
+# body-sha256: a9794354c7af7e7de5ae6d436595941a71455177cef2e0b8f698163b5091d631
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -71,7 +71,6 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Argmax,
     Lq,
@@ -130,7 +129,7 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     best = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     best_index = tl.full([BLOCK_Q], -1, dtype=tl.int32)
@@ -150,12 +149,9 @@ def maxsim_pairs_triton_lowmem_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-        if MASKED_AS_ZERO:
-            scored = masked_as_zero(scored, best, d_tokens, query, Ld)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
+    if HAS_D_MASK and MASKED_AS_ZERO:
+        scored = masked_as_zero(scored, best, d_count < Ld)
     if NORMALIZE:
         best = best * q_scale
     best = tl.where(scored, best, 0.0)
@@ -355,7 +351,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, argmax, masked_as_zero=False,
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         argmax,
         Lq,

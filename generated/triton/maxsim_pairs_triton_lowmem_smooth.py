@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_smooth
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: 1d6b64b5186f89585c9c4e5edcee5595ae254f7a97139b63a7e75f8880febcea
+# body-sha256: 1ea04d4b0405de56177dcb9dda4b1f1893d519f619dbcd4fca57cb37110f6231
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -102,7 +102,6 @@ def maxsim_pairs_triton_lowmem_smooth_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     tau,
     Saved,
@@ -161,7 +160,7 @@ def maxsim_pairs_triton_lowmem_smooth_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -190,10 +189,7 @@ def maxsim_pairs_triton_lowmem_smooth_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
@@ -480,7 +476,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, tau, saved, normalize, config
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         tau,
         saved,

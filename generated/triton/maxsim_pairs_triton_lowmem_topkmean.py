@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_topkmean
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "topk_mean", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/topk_mean.py.j2
-# body-sha256: 0cbb8bd47c40f2c1f883323677de0e55e267b045d6f0657241586f65025d0773
+# body-sha256: 7e2de5d3d5afd57c44a90bfe2b806a6db3588964901b29dd9b8a3f610ab704b5
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_topkmean: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -126,7 +126,6 @@ def maxsim_pairs_triton_lowmem_topkmean_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Saved,
     Lq,
@@ -187,7 +186,7 @@ def maxsim_pairs_triton_lowmem_topkmean_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, TOKEN_K, TOKEN_SLOTS)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -216,10 +215,7 @@ def maxsim_pairs_triton_lowmem_topkmean_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
@@ -521,7 +517,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, token_k, token_slots, saved, 
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         saved,
         Lq,

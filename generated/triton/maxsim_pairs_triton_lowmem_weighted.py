@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_lowmem_weighted
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 144dcaa51c15f813b7d37b6403a71b20233f9ce5fa217a0e88a12cb074703e69
+# body-sha256: fd50988410e5eb636966fc00044ce0ac9d35d68e64587c9060d04abfe3beb55e
 
 """MaxSim training (lowmem backward) for maxsim_pairs_triton_lowmem_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -100,7 +100,6 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Saved,
     Lq,
@@ -162,7 +161,7 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -191,10 +190,7 @@ def maxsim_pairs_triton_lowmem_weighted_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     best = best * weight
@@ -503,7 +499,6 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, saved, normalize, config):
         W,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         saved,
         Lq,

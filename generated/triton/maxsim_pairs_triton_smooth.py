@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_smooth
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "smooth", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/smooth.py.j2
-# body-sha256: f2df4cecc2bd6b39467b06d9f1b10445b527ad1633227b8e9427c88980e4d8fd
+# body-sha256: 7703d8982c6dab8dd6dc31796f2fea416abc9fecd266cccc06f2e862ca04a030
 
 """MaxSim forward for maxsim_pairs_triton_smooth: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -102,7 +102,6 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     tau,
     Lq,
@@ -158,7 +157,7 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -187,10 +186,7 @@ def maxsim_pairs_triton_smooth_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     score = tl.sum(best, axis=0)
@@ -228,7 +224,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, tau, normalize, config):
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         tau,
         Lq,

@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_weighted
 # spec: {"backward": "none", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "weighted", "target": "triton"}
 # templates: glue/backward_recompute.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/recompute.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2, triton/score/weighted.py.j2
-# body-sha256: 2d79a47e97584dabe2e57efa0f22ab3a89d2bd9dde950a99969f26da9e5c2aca
+# body-sha256: 5c41847565235cb740c2edfe814093e0991e14e78dadeb62048e48cb8bc7d886
 
 """MaxSim forward for maxsim_pairs_triton_weighted: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -100,7 +100,6 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
     W,
     q_mask,
     d_mask,
-    d_tokens,
     Out,
     Lq,
     Ld,
@@ -159,7 +158,7 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
     q = q.to(DOT_DTYPE)
     if HAS_D_MASK:
         d_mask_base = query * stride_dmb
-        d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+        d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
     state_a, state_b = _score_init(BLOCK_Q, 1, 1)
     # The max reductions drop NaN; a running sum of the valid similarities keeps it
@@ -188,10 +187,7 @@ def maxsim_pairs_triton_weighted_fwd_kernel(
     # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
     # row of -inf similarities is a real -inf. Decided on the max before any scale: a
     # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-    if HAS_D_MASK:
-        scored = q_valid & doc_has_token(d_tokens, query)
-    else:
-        scored = q_valid & (d_len > 0)
+    scored = q_valid & (d_len > 0)
     best = tl.where(nan_probe != nan_probe, float("nan"), best)
     best = tl.where(scored, best, 0.0)
     best = best * weight
@@ -232,7 +228,6 @@ def launch(out, Q, D, W, q_mask=None, d_mask=None, *, normalize, config):
         W,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         Lq,
         Ld,

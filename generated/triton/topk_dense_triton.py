@@ -2,7 +2,7 @@
 # kernel: topk_dense_triton
 # spec: {"backward": "none", "decompression": "none", "layout": "dense", "op": "topk", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/launch_triton.py.j2, glue/macros.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3097dcfdc5bc25dd75b3936a710e2a83cf02b514b863c969a8d9fb35ac13cea5
+# body-sha256: a350755ca76c90d55af9a20d27ad52f0b5cdfec721f4d18f116f48bdd20c86c3
 
 """MaxSim top-k candidates (retrieval) for topk_dense_triton: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -70,7 +70,6 @@ def topk_dense_triton_fwd_kernel(
     D,
     q_mask,
     d_mask,
-    d_tokens,
     CandScores,
     CandDocs,
     Nq,
@@ -154,7 +153,7 @@ def topk_dense_triton_fwd_kernel(
 
         if HAS_D_MASK:
             d_mask_base = doc * stride_dmb
-            d_len = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
+            d_len, d_count = doc_extent(d_mask, d_mask_base, stride_dmt, d_len)
 
         best = tl.full([QUERY_GROUP * BLOCK_Q], float("-inf"), dtype=tl.float32)
         for start in range(0, d_len, BLOCK_L):
@@ -175,10 +174,7 @@ def topk_dense_triton_fwd_kernel(
         # A query token with no valid doc token (fully masked doc, empty doc) adds 0; a valid
         # row of -inf similarities is a real -inf. Decided on the max before any scale: a
         # NaN scale (a query token of inf, normalized) would hide the -inf of a masked doc.
-        if HAS_D_MASK:
-            scored = q_valid & doc_has_token(d_tokens, doc)
-        else:
-            scored = q_valid & (d_len > 0)
+        scored = q_valid & (d_len > 0)
         if NORMALIZE:
             best = best * q_scale
         best = tl.where(scored, best, 0.0)
@@ -239,7 +235,6 @@ def launch(out, Q, D, q_mask=None, d_mask=None, *, cand_docs, normalize, config)
         D,
         q_mask,
         d_mask,
-        valid_tokens(d_mask),
         out,
         cand_docs,
         Nq,
