@@ -156,8 +156,9 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
     # takes Nd, DOCS_PER_PROGRAM, FLAT_DOCS, DOC_SPLITS, the token ranges' row maxima
     # (Partial) and their arrival counts (Arrivals), peels a partial last tile (PEEL_TAIL)
     # into a TAIL_L-token tile, and may hint its doc loads evict-first (EVICT_DOCS). With a
-    # doc mask comes each doc's count of valid tokens (d_tokens); it may read its doc mask
-    # as zeros (MASKED_AS_ZERO, a value of the mask axis).
+    # doc mask, its flat loop takes each doc's count of valid tokens (d_tokens; the other
+    # loops and layouts count them per doc); it may read its doc mask as zeros
+    # (MASKED_AS_ZERO, a value of the mask axis).
     assert signature("maxsim_dense_triton") == [
         "Q", "D", "q_mask", "d_mask", "d_tokens", "Out", "Partial", "Arrivals", "Nq", "Nd", "Lq",
         "Ld", "dim", "stride_qb", "stride_qs", "stride_qk", "stride_db", "stride_dt", "stride_dk",
@@ -171,7 +172,7 @@ def test_kernels_take_exactly_the_arguments_they_use(project):
         "TAIL_L: tl.constexpr", "EVICT_DOCS: tl.constexpr",
     ]  # fmt: skip
     kd = signature("maxsim_kd_triton")
-    assert kd[:6] == ["Q", "D", "q_mask", "d_mask", "d_tokens", "Out"]
+    assert kd[:5] == ["Q", "D", "q_mask", "d_mask", "Out"]
     assert {"stride_dc", "stride_dmc", "stride_qms", "K", "HAS_D_MASK: tl.constexpr"} <= set(kd)
     assert "Nd" not in kd and "Nq" not in kd and "QUERY_GROUP: tl.constexpr" not in kd
 
