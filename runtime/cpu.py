@@ -216,9 +216,11 @@ def _rounded_winners(sims, ld):
 def _exact_max(D, rows, queries, normalize):
     """The winners' similarities, exactly: fp32 dots of D's tokens at rows [G, n, R] (flat
     indices over D's tokens) with queries [G, R, d] (fp32), over the tokens' norms with
-    normalize -> [G, n, R] (a view). The tokens are gathered doc by doc (nearby rows: 40%
-    faster than query token by query token), then laid out query token by query token for
-    one batched matmul."""
+    normalize -> [G, n, R]. The tokens are gathered doc by doc (nearby rows: 40% faster
+    than query token by query token), widened to fp32, multiplied by their query tokens
+    in place and summed: a batched matrix-vector product (bmm, query token by query
+    token) took 3.7x as long (1.47 against 0.40 ms for 32 docs x 1024 query tokens, d
+    128, 2-core EPYC)."""
     d = D.shape[-1]
     g, n, r = rows.shape
     size = rows.numel() * d
@@ -227,12 +229,11 @@ def _exact_max(D, rows, queries, normalize):
         torch.index_select(D.view(-1, d), 0, rows.view(-1), out=picked)
     else:
         picked.copy_(D[torch.unravel_index(rows.view(-1), D.shape[:-1])])
-    wide = _scratch("picked_fp32", size, torch.float32)[:size].view(g, r, n, d)
-    wide.copy_(picked.view(g, n, r, d).transpose(1, 2))
-    dots = torch.bmm(wide.view(g * r, n, d), queries.reshape(g * r, d, 1)).view(g, r, n)
-    if normalize:
-        dots = dots * _inv_norms(wide)
-    return dots.transpose(1, 2)
+    wide = _scratch("picked_fp32", size, torch.float32)[:size].view(g, n, r, d)
+    wide.copy_(picked.view(g, n, r, d))
+    inv_norms = _inv_norms(wide) if normalize else None
+    dots = wide.mul_(queries.unsqueeze(1)).sum(dim=-1)
+    return dots if inv_norms is None else dots.mul_(inv_norms)
 
 
 def _keep(best, doc_valid, doc_masked, q_keep, masked_as_zero):
