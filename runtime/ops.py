@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -39,8 +40,16 @@ def _key(params) -> str:
     """params as the custom ops take them: its class name and field values, a string that
     _params parses back (built without dataclasses' repr, which torch.compile cannot
     trace, and without a side effect, which a traced call would defer)."""
-    values = tuple(getattr(params, name) for name in params.__dataclass_fields__)
+    values = tuple(_plain(getattr(params, name)) for name in params.__dataclass_fields__)
     return type(params).__name__ + repr(values)
+
+
+def _plain(value):
+    """A value as _key writes it: an int that torch.compile made symbolic (an argument
+    that changed between calls) specializes back to its value, one graph per value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return operator.index(value)  # dynamo traces this, not int() or repr, of a SymInt
+    return value
 
 
 @functools.lru_cache(maxsize=1024)

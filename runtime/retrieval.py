@@ -15,10 +15,12 @@ high 32 bits and the document id in the low 32, so no two candidates compare equ
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from lik.runtime import backends, dispatch, heuristics, validate
+from lik.runtime import backends, dispatch, heuristics, ops, validate
 from lik.runtime.api import maxsim
 
 _Q_DOC = "[Nq, Lq, d] or [Lq, d]"
@@ -370,16 +372,38 @@ def retrieve_sharded(
     k = min(top_k, total docs), equal scores keep the lower global id. Must be called by
     every rank of `group` (default: the world).
     """
+    call = _ShardedCall(top_k, normalize, chunk, largest, sorted, _group_name(group))
+    return SHARDED((Q, D_shard, q_mask, d_mask), call)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardedCall:
+    top_k: object  # checked by retrieve on every rank, so that a bad value fails them all
+    normalize: object
+    chunk: object
+    largest: object
+    sorted: object
+    group: str | None  # the process group's name; None: the default group
+
+
+def _group_name(group) -> str | None:
+    return None if group is None else group.group_name
+
+
+def _sharded_forward(inputs, call: _ShardedCall):
+    Q, D_shard, q_mask, d_mask = inputs
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "retrieve_sharded needs an initialized torch.distributed process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)"
         )
+    # A name back to its group: the registry torch's functional collectives resolve by.
+    group = None if call.group is None else dist.distributed_c10d._resolve_process_group(call.group)
     error, squeeze = None, isinstance(Q, torch.Tensor) and Q.dim() == 2
     try:
         scores, local_ids = retrieve(
-            Q, D_shard, top_k, q_mask, d_mask,
-            normalize=normalize, chunk=chunk, largest=largest, sorted=False,
+            Q, D_shard, call.top_k, q_mask, d_mask,
+            normalize=call.normalize, chunk=call.chunk, largest=call.largest, sorted=False,
         )  # fmt: skip
     except Exception as exc:  # re-raised below, once the other ranks know
         error = exc
@@ -387,6 +411,24 @@ def retrieve_sharded(
     if squeeze:
         scores, local_ids = scores[None], local_ids[None]
     scores, ids = merge_shard_results(
-        scores, local_ids, D_shard.shape[0], top_k, largest=largest, sorted=sorted, group=group
-    )
-    return (scores[0], ids[0]) if squeeze else (scores, ids)
+        scores, local_ids, D_shard.shape[0], call.top_k, largest=call.largest,
+        sorted=call.sorted, group=group,
+    )  # fmt: skip
+    return ((scores[0], ids[0]) if squeeze else (scores, ids)), ()
+
+
+def _sharded_fake(inputs, call: _ShardedCall):
+    """k = min(top_k, every rank's docs) is known only once the ranks have exchanged
+    their shard sizes: a size of its own in a compiled graph."""
+    Q, top_k = inputs[0], call.top_k
+    valid = isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1
+    k = torch.library.get_ctx().new_dynamic_size(max=top_k if valid else None)  # bad: raised
+    # by the op itself, on every rank
+    shape = (k,) if Q.dim() == 2 else (Q.shape[0], k)
+    return (Q.new_empty(shape, dtype=torch.float32), Q.new_empty(shape, dtype=torch.int64)), ()
+
+
+# One opaque op under torch.compile: its exchange of shard sizes and candidates between
+# the ranks reads them on the host, which a graph cannot hold.
+SHARDED = ops.Family("retrieve_sharded", _ShardedCall, _sharded_forward, _sharded_fake,
+                     outputs=2)  # fmt: skip

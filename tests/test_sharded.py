@@ -1,7 +1,7 @@
 """retrieve_sharded over 2 CPU processes (gloo): the same results as retrieve on the
 concatenated corpus, for uneven shards, an empty shard, ties across shards, top_k above
-the corpus size, chunking and masks, under torch.compile too; and the torchrun launcher
-of the command line.
+the corpus size, chunking and masks, under torch.compile(fullgraph=True) too (with a
+group of its own as well); and the torchrun launcher of the command line.
 
 One spawn runs every scenario, so the processes start (and import torch) only once. The
 child processes score on the reference path: the cross-rank merge is what is under test
@@ -11,6 +11,7 @@ Integer-valued embeddings keep every score exact, so both paths agree bit for bi
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -49,9 +50,8 @@ SCENARIOS = [
     Scenario("masks-smallest", (5, 6), 4, largest=False, with_masks=True),
 ]
 
-# torch.compile runs it with graph breaks: the merge reads every rank's shard size and
-# candidate count on the host, which decide the offsets and the result's shape.
-COMPILED_SCENARIO = SCENARIOS[1]
+# Compiled with fullgraph=True: the exchange between ranks is one opaque op.
+COMPILED_SCENARIOS = [SCENARIOS[1], SCENARIOS[5]]
 
 
 def corpus(scenario: Scenario):
@@ -79,11 +79,11 @@ def expected_results(scenario: Scenario):
     )  # fmt: skip
 
 
-def run_scenario(scenario: Scenario, rank: int):
+def run_scenario(scenario: Scenario, rank: int, call=retrieve_sharded):
     Q, D, q_mask, d_mask = corpus(scenario)
     start = sum(scenario.shard_sizes[:rank])
     shard = slice(start, start + scenario.shard_sizes[rank])
-    return retrieve_sharded(
+    return call(
         Q, D[shard], scenario.top_k, q_mask, None if d_mask is None else d_mask[shard],
         normalize=False, chunk=scenario.chunk, largest=scenario.largest,
     )  # fmt: skip
@@ -99,15 +99,14 @@ def bad_input_on_rank_1(rank: int) -> str:
     return "no error"
 
 
-def fullgraph_outcome(rank: int) -> str:
-    """What torch.compile(fullgraph=True) makes of retrieve_sharded: the host exchange
-    cannot be traced, so it refuses (on every rank, before any collective it would hold)."""
-    compiled = torch.compile(run_scenario, backend="aot_eager", fullgraph=True)
-    try:
-        compiled(COMPILED_SCENARIO, rank)
-    except Exception as exc:  # noqa: BLE001 - dynamo's error classes vary by release
-        return "refused" if "torch._dynamo" in type(exc).__module__ else repr(exc)
-    return "traced"
+def compiled_results(rank: int) -> dict:
+    """retrieve_sharded under torch.compile(fullgraph=True): a graph break would raise."""
+    compiled = torch.compile(retrieve_sharded, backend="aot_eager", fullgraph=True)
+    results = {s.name: run_scenario(s, rank, call=compiled) for s in COMPILED_SCENARIOS}
+    group = dist.new_group(list(range(WORLD_SIZE)))  # not the default: the op takes its name
+    results["group"] = run_scenario(COMPILED_SCENARIOS[0], rank,
+                                    call=functools.partial(compiled, group=group))  # fmt: skip
+    return results
 
 
 def worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -117,10 +116,7 @@ def worker(rank: int, store_path: str, out_dir: str) -> None:
     try:
         results = {s.name: run_scenario(s, rank) for s in SCENARIOS}
         results["bad-input"] = bad_input_on_rank_1(rank)
-        results["fullgraph"] = fullgraph_outcome(rank)
-        torch._dynamo.reset()  # the next compile must not reuse this one's frames
-        compiled = torch.compile(run_scenario, backend="aot_eager")
-        results["compiled"] = compiled(COMPILED_SCENARIO, rank)
+        results["compiled"] = compiled_results(rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -153,16 +149,14 @@ def test_every_rank_gets_the_single_process_results(rank_results, scenario):
         assert torch.equal(scores, expected_scores), f"rank {rank}"
 
 
-def test_compiled_gives_the_eager_results(rank_results):
-    expected_scores, expected_ids = expected_results(COMPILED_SCENARIO)
+@pytest.mark.parametrize("name", [*(s.name for s in COMPILED_SCENARIOS), "group"])
+def test_compiled_gives_the_eager_results(rank_results, name):
+    scenario = next((s for s in COMPILED_SCENARIOS if s.name == name), COMPILED_SCENARIOS[0])
+    expected_scores, expected_ids = expected_results(scenario)
     for rank, results in enumerate(rank_results):
-        scores, ids = results["compiled"]
+        scores, ids = results["compiled"][name]
         assert torch.equal(ids, expected_ids), f"rank {rank}: {ids} != {expected_ids}"
         assert torch.equal(scores, expected_scores), f"rank {rank}"
-
-
-def test_fullgraph_refuses_the_host_exchange(rank_results):
-    assert [results["fullgraph"] for results in rank_results] == ["refused"] * WORLD_SIZE
 
 
 def test_scenarios_exercise_ties_across_shards():
