@@ -43,7 +43,7 @@ def _query_tokens(module, Q: torch.Tensor, lq: int) -> int:
     return LQ_CHUNK if lq <= ALWAYS_FITTING_QUERY_TOKENS else heuristics.query_chunk(module, Q)
 
 
-def _chunks(lq: int, chunk: int = LQ_CHUNK):
+def query_ranges(lq: int, chunk: int = LQ_CHUNK):
     """Query-token ranges scored per launch: `chunk` tokens at most."""
     return [(start, min(lq, start + chunk)) for start in range(0, lq, chunk)]
 
@@ -103,7 +103,7 @@ def _capturing(key: tuple | None, call_tensors: tuple):
 _fitted: dict = {}
 
 
-def _launch(launch, config, *args, **kwargs):
+def launch_fitted(launch, config, *args, **kwargs):
     """Launches; a config that does not fit this GPU (shared memory estimates are not
     exact: fp32 tf32x3 dots need more) is shrunk step by step, and the one that fitted is
     launched directly next time (per-call derived configs included). What fits is per
@@ -239,7 +239,7 @@ def launch_in_query_chunks(name, out, Q, per_token, shared, *, docs=0, doc_token
     tokens = _query_tokens(module, Q, lq)
     if lq <= tokens:
         return launch_keyed(name, module, Q, lq, out, Q=Q, **shared, **per_token, **sizes)
-    for start, stop in _chunks(lq, tokens):
+    for start, stop in query_ranges(lq, tokens):
         sliced = {k: v[..., start:stop] for k, v in per_token.items()}
         target = out if start == 0 else torch.empty_like(out)
         chunk = Q[:, start:stop]
@@ -265,7 +265,7 @@ def launch_keyed(name, module, queries, lq, out, *args, docs=0, doc_tokens=0, ad
                      run=run)  # fmt: skip
     if adjust is not None:
         config = adjust(config)
-    _launch(module.launch, config, out, *args, **kwargs)
+    launch_fitted(module.launch, config, out, *args, **kwargs)
     return out
 
 
@@ -314,7 +314,7 @@ def _backward_in_query_chunks(layout, grad_out, argmax, Q, D, has_q_mask, has_d_
     module = registry.load(name)
     lq = Q.shape[1]
     grad_q_chunks, grad_d = [], None
-    for start, stop in _chunks(lq, _query_tokens(module, Q, lq)):  # the forward's chunks
+    for start, stop in query_ranges(lq, _query_tokens(module, Q, lq)):  # the forward's chunks
         whole = stop - start == lq
         chunk_q = Q if whole else Q[:, start:stop]
         chunk_argmax = argmax if whole else argmax[..., start:stop]
@@ -323,7 +323,7 @@ def _backward_in_query_chunks(layout, grad_out, argmax, Q, D, has_q_mask, has_d_
             return module.backward(grad_out, chunk_argmax, chunk_q, D, config=config)
 
         config = call_config(name, module, Q, stop - start, grad_out.numel(), kernel="bwd", run=run)
-        (gq, gd), _ = _launch(module.backward, config, grad_out, chunk_argmax, chunk_q, D)
+        (gq, gd), _ = launch_fitted(module.backward, config, grad_out, chunk_argmax, chunk_q, D)
         grad_q_chunks.append(gq)
         grad_d = gd if grad_d is None else grad_d + gd
     grad_q = grad_q_chunks[0] if len(grad_q_chunks) == 1 else torch.cat(grad_q_chunks, dim=1)
@@ -398,7 +398,7 @@ def backward_ragged(
                                config=config)  # fmt: skip
 
     config = call_config(name, module, Q, max_seqlen_q, grad_out.numel(), kernel="bwd", run=run)
-    grads, _ = _launch(
+    grads, _ = launch_fitted(
         module.backward, config, grad_out, argmax, Q, D, **tensors, max_seqlen_q=max_seqlen_q
     )
     return grads
@@ -426,5 +426,5 @@ def topk_candidates(Q, D, q_mask, d_mask, normalize: bool, k: int):
         masks["q_mask"] = validate.byte_mask(q_mask)
     if d_mask is not None:
         masks["d_mask"] = validate.byte_mask(d_mask)
-    _launch(module.launch, config, scores, Q, D, cand_docs=doc_ids, **masks)
+    launch_fitted(module.launch, config, scores, Q, D, cand_docs=doc_ids, **masks)
     return scores, doc_ids

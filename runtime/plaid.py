@@ -182,7 +182,7 @@ def _variant(layout: str, centroids: torch.Tensor, nbits: int) -> str:
 
 def _query_chunks(module, Q: torch.Tensor):
     # Lq == 0 still launches once: bad doc lengths or offsets must still poison.
-    return dispatch._chunks(Q.shape[1], heuristics.query_chunk(module, Q)) or [(0, 0)]
+    return dispatch.query_ranges(Q.shape[1], heuristics.query_chunk(module, Q)) or [(0, 0)]
 
 
 def _launch(name, module, Q, lq, out, *args, **kwargs):

@@ -120,7 +120,7 @@ def _backward(call: _Call, grad_out, saved, Q, D, W, q_mask, d_mask):
 
     config = configs.call_config(name, module, Q, Q.shape[1], grad_out.numel(), kernel="bwd",
                               run=run)  # fmt: skip
-    grads, _ = dispatch._launch(module.backward, config, grad_out, saved, Q, D, **arguments)
+    grads, _ = dispatch.launch_fitted(module.backward, config, grad_out, saved, Q, D, **arguments)
     return grads if W is not None else (*grads, None)
 
 

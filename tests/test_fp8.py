@@ -176,8 +176,8 @@ def test_query_tile_padded_to_hopper_minimum(monkeypatch):
     # On Hopper the query tile is padded to 64 rows (masked) for the fp8 tensor cores.
     monkeypatch.setattr(fp8, "gpu_family", lambda device: "hopper")
     launched = []
-    real_launch = dispatch._launch
-    monkeypatch.setattr(dispatch, "_launch", lambda fn, config, *a, **k: (
+    real_launch = dispatch.launch_fitted
+    monkeypatch.setattr(dispatch, "launch_fitted", lambda fn, config, *a, **k: (
         launched.append(config.block_q * config.query_group), real_launch(fn, config, *a, **k))[1])
     Q8, D8, sq, sd, q_mask, d_mask, ref = _case(2, 3, 7, 37, 32, "token", "token", "qd", seed=6)
     out = poisoned((2, 3), DEVICE)

@@ -297,16 +297,16 @@ def test_out_of_resources_shrinks_the_config_step_by_step(monkeypatch):
         return "ok"
 
     start = LaunchConfig(32, 64, 128, 8, 3, query_group=4)
-    result, fitted = dispatch._launch(launch, start)
+    result, fitted = dispatch.launch_fitted(launch, start)
     assert result == "ok"
     assert [(c.query_group, c.num_stages) for c in tried] == [(4, 3), (2, 3), (1, 3), (1, 2)]
     assert fitted == LaunchConfig(32, 64, 128, 8, 2, query_group=1)
     # The next launch of the same config goes straight to the one that fitted.
     tried.clear()
-    assert dispatch._launch(launch, start) == ("ok", fitted)
+    assert dispatch.launch_fitted(launch, start) == ("ok", fitted)
     assert tried == [fitted]
     # Another launcher with the same config (a forward beside its backward) keeps it.
-    assert dispatch._launch(lambda *, config: config, start) == (start, start)
+    assert dispatch.launch_fitted(lambda *, config: config, start) == (start, start)
 
 
 def test_other_launch_errors_are_not_swallowed():
@@ -314,7 +314,7 @@ def test_other_launch_errors_are_not_swallowed():
         raise ValueError("bad argument")
 
     with pytest.raises(ValueError, match="bad argument"):
-        dispatch._launch(launch, LaunchConfig(32, 64, 128, 8, 3))
+        dispatch.launch_fitted(launch, LaunchConfig(32, 64, 128, 8, 3))
 
 
 def test_only_few_long_docs_split_into_token_ranges():
