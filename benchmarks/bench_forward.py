@@ -11,6 +11,7 @@ the same run. A baseline that is missing or fails is recorded with its error.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from collections.abc import Callable
@@ -686,6 +687,12 @@ def grid_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def write_grid(report: dict, out_dir: Path, stem: str) -> None:
+    title = f"lik forward grid, {report['env']['gpu']}"
+    write_results(out_dir, stem, report, grid_markdown(report),
+                  grid.ratio_plot(report, grid_ratio, title))  # fmt: skip
+
+
 def run_grid(args, keys, device, ceilings, timer, out_dir: Path) -> int:
     from lik.runtime import autotune
 
@@ -713,7 +720,7 @@ def run_grid(args, keys, device, ceilings, timer, out_dir: Path) -> int:
                                                  read_cache))  # fmt: skip
         report["call_time_sweeps"] = autotune.sweeps
         # After every cell, so a cut-off run keeps what it measured.
-        write_results(out_dir, stem, report, grid_markdown(report))
+        write_grid(report, out_dir, stem)
     print("\n" + "\n".join(grid_summary(report)))
     print(f"\nwrote {out_dir / stem}.json, .md", flush=True)
     return 0
@@ -739,6 +746,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--dry-run", action="store_true", help="CPU only, tiny shapes, no Triton, peers or do_bench"
     )
+    parser.add_argument("--render", type=Path, help="re-render the Markdown table and plot of "
+                        "a saved JSON report (into --out)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -758,6 +767,15 @@ def main(argv=None) -> int:
     from lik.runtime import autotune
 
     args = parse_args(argv)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        out_dir = args.out or Path(__file__).resolve().parent / "results"
+        stem = result_stem(report["suite"], report["env"]["gpu"])
+        if report["suite"] == GRID_SUITE:
+            write_grid(report, out_dir, stem)
+        else:
+            write_report(report, out_dir, stem)
+        return 0
     by_name = {shape.name: shape for shape in SHAPES}
     shapes = [] if args.grid else [by_name[n] for n in pick(args.shapes, list(by_name), "shape")]
     keys = pick(args.impls, list(IMPLEMENTATIONS), "implementation")

@@ -443,6 +443,12 @@ def grid_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def write_grid(report: dict, out: Path, stem: str) -> None:
+    title = f"lik training grid (GPU time per step), {report['gpu']}"
+    write_results(out, stem, report, grid_markdown(report),
+                  grid.ratio_plot(report, grid_ratio, title))  # fmt: skip
+
+
 def run_grid(args) -> int:
     cells = grid.pick_cells(shapes.GRID_TRAIN, args.shapes, args.axes)
     device = "cpu" if args.dry_run else "cuda"
@@ -459,7 +465,7 @@ def run_grid(args) -> int:
         measured = grid.tiny(cell) if args.dry_run else cell
         report["cells"].append(measure_grid_cell(measured, device, args.dry_run))
         # After every cell, so a cut-off run keeps what it measured.
-        write_results(args.out, stem, report, grid_markdown(report))
+        write_grid(report, args.out, stem)
     print(grid_markdown(report))
     return 0
 
@@ -493,7 +499,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.render:
-        write_report(json.loads(args.render.read_text()), args.out)
+        report = json.loads(args.render.read_text())
+        if report.get("suite") == GRID_SUITE:
+            write_grid(report, args.out, result_stem(GRID_SUITE, report["gpu"]))
+        else:
+            write_report(report, args.out)
         return 0
     if not args.dry_run and missing_gpu("bench_train"):
         return 2

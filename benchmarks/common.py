@@ -425,6 +425,12 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(lines)
 
 
+# Plots of more categories than this (the grids' cells) get a bar per cell in at most
+# GRID_PLOT_INCHES of width.
+MANY_CATEGORIES = 16
+GRID_PLOT_INCHES = 20.0
+
+
 def write_speedup_plot(
     path: Path, categories: Sequence[str], series: dict[str, Sequence[float | None]], title: str
 ) -> bool:
@@ -439,7 +445,9 @@ def write_speedup_plot(
         return False
 
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(categories)), 4.5))
+    many = len(categories) > MANY_CATEGORIES  # a grid's cells: narrower, labels upright
+    inches = min(GRID_PLOT_INCHES, 0.4 * len(categories)) if many else 1.3 * len(categories)
+    fig, ax = plt.subplots(figsize=(max(6.0, inches), 6.5 if many else 4.5))
     for index, (label, values) in enumerate(series.items()):
         positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(categories))]
         heights = [math.nan if v is None else v for v in values]
@@ -449,7 +457,10 @@ def write_speedup_plot(
         )
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_xticks(range(len(categories)))
-    ax.set_xticklabels(categories, rotation=30, ha="right")
+    if many:
+        ax.set_xticklabels(categories, rotation=90, fontsize=7)
+    else:
+        ax.set_xticklabels(categories, rotation=30, ha="right")
     ax.set_ylabel("speedup of lik (baseline ms / lik ms)")
     ax.set_ylim(bottom=0)
     ax.set_title(title)

@@ -318,6 +318,13 @@ def ratio_line(report: dict, ratio: Callable[[dict], float | None]) -> str:
             + (f"; behind in {', '.join(behind)}." if behind else "."))  # fmt: skip
 
 
+def ratio_plot(report: dict, ratio: Callable[[dict], float | None], title: str):
+    """The grid's plot (common.write_speedup_plot's categories, series, title): lik against
+    the best peer in each cell a peer took."""
+    compared = [r for r in report["cells"] if ratio(r) is not None]
+    return [r["name"] for r in compared], {"vs the best peer": [ratio(r) for r in compared]}, title
+
+
 def parity_line(report: dict, labels: dict[str, str], named: int = 6) -> str:
     """Each implementation that failed parity somewhere: its cells (up to `named` of them
     by name)."""

@@ -108,6 +108,15 @@ def test_a_grid_dry_run_reports_every_cell_checked_and_why_a_peer_cannot_take_on
     for code in used:
         assert f"n/a ({code})" in markdown and grid.NOT_APPLICABLE[code] in markdown
     assert "## Parity" in markdown or "## Gradient check" in markdown
+    # --render redraws a saved report: the same Markdown, and its plot where it can.
+    (saved,) = tmp_path.glob(f"{name}_grid/*_dry-run.json")
+    rendered = tmp_path / "rendered"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"bench_{name}.py"), "--render",
+                           str(saved), "--out", str(rendered)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (again,) = rendered.glob(f"{name}_grid/*.md")
+    assert again.read_text() == markdown
 
 
 def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
