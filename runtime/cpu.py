@@ -425,6 +425,15 @@ def _winners(index, best, keep, has_d_mask):
     return index
 
 
+def _even_batches(step: int) -> int:
+    """A batched matmul's batch count, rounded down to a multiple of the threads: bmm
+    shares its batches out between them, and an odd count on 2 threads ran 1.3x as long
+    per batch (docs of 9600 tokens x 32 query tokens, d 128, fp32: 0.53 ms a batch in 3s
+    against 0.40 in 1s, 2s, 4s or 6s; kd 64 x 32 x 32 x 300 47 -> 34 ms, 2-core EPYC)."""
+    threads = torch.get_num_threads()
+    return step - step % threads if step > threads else step
+
+
 def _forward_kd(Q, D, q_mask, d_mask, normalize, out, argmax, masked_as_zero):
     """D [Nq, K, Ld, d]: query i against its own K docs, a batched matmul per query chunk."""
     nq, lq, d = Q.shape
@@ -434,7 +443,8 @@ def _forward_kd(Q, D, q_mask, d_mask, normalize, out, argmax, masked_as_zero):
     # Docs per query, then queries, per step: as many as both budgets allow.
     sims, docs = _budget(SIM_BUDGET, dtype), _budget(DOC_BUDGET, dtype)
     k_step = min(k, max(1, min(sims // (ld * q_step), docs // (ld * d))))
-    i_step = min(nq, max(1, min(sims // (k_step * ld * q_step), docs // (k_step * ld * d))))
+    i_step = _even_batches(min(nq, max(1, min(sims // (k_step * ld * q_step),
+                                              docs // (k_step * ld * d)))))  # fmt: skip
     queries, q_scale = _prepare_queries(Q, normalize, dtype)
     queries_t = queries.transpose(1, 2)  # [Nq, d, Lq]
     exact = Q.float() if dtype == torch.bfloat16 else None
