@@ -421,9 +421,9 @@ def _sharded_fake(inputs, call: _ShardedCall):
     """k = min(top_k, every rank's docs) is known only once the ranks have exchanged
     their shard sizes: a size of its own in a compiled graph."""
     Q, top_k = inputs[0], call.top_k
+    # A bad top_k gets no bound here: the op itself refuses it, on every rank.
     valid = isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1
-    k = torch.library.get_ctx().new_dynamic_size(max=top_k if valid else None)  # bad: raised
-    # by the op itself, on every rank
+    k = torch.library.get_ctx().new_dynamic_size(max=top_k if valid else None)
     shape = (k,) if Q.dim() == 2 else (Q.shape[0], k)
     return (Q.new_empty(shape, dtype=torch.float32), Q.new_empty(shape, dtype=torch.int64)), ()
 
