@@ -572,13 +572,14 @@ def measure_grid_cell(cell: shapes.Cell, keys, ceilings, device, args, read_cach
     indices = grid.parity_indices(cell, device)
     reference = grid.reference_scores(cell, input_sets[0], indices)
     floor = roofline_floor(cell, ceilings)
-    docs = grid.read_once_docs(cell, input_sets[0])
+    docs = grid.given_docs(input_sets[0])
     record = {**cell.as_dict(), "doc_mb": docs.numel() * docs.element_size() / 1e6,
               "rotation_sets": sets_count, **floor, "read_docs_ms": None, "read_docs_by": None,
               "pct_read": None, "results": {}}  # fmt: skip
     ceiling = grid.ceiling_applies(cell, input_sets[0], floor)
     if ceiling:
-        record["read_docs_ms"], record["read_docs_by"] = grid_doc_read(docs, read_cache)
+        record["read_docs_ms"], record["read_docs_by"] = grid_doc_read(
+            grid.read_once_docs(input_sets[0]), read_cache)  # fmt: skip
     for key in keys:
         result = measure_grid_implementation(key, cell, input_sets, reference, indices,
                                              args.dry_run)  # fmt: skip
@@ -661,8 +662,8 @@ def grid_markdown(report: dict) -> str:
         "peer\": the faster peer's time over lik's, among the peers that took the cell (one "
         "that failed parity counts too, flagged FAIL). \"lik % read\": the read-once "
         "ceiling over lik's time, for memory-bound cells with "
-        f"{grid.CEILING_DOC_BYTES / 1e6:.0f} MB of docs or more (the docs read, packed ones "
-        "where packed).",
+        f"{grid.CEILING_DOC_BYTES / 1e6:.0f} MB of docs or more (the doc tokens a call must "
+        "read: packed ones where packed, each masked doc's up to its last valid token).",
         "",
         *grid_summary(report),
         "",

@@ -166,14 +166,25 @@ def input_sets(cell: Cell, device, count: int, *, seed: int = 0) -> list[Inputs]
     return sets
 
 
-def read_once_docs(cell: Cell, inputs: Inputs) -> torch.Tensor:
-    """The doc tokens a call reads: packed ones where the cell hands them packed."""
+def given_docs(inputs: Inputs) -> torch.Tensor:
+    """The doc tokens a cell hands in: packed ones where the cell hands them packed."""
     return inputs.packed.docs if inputs.packed is not None else inputs.docs
 
 
+def read_once_docs(inputs: Inputs) -> torch.Tensor:
+    """The doc tokens a call must read: with a doc mask, each doc's up to its last valid
+    token (a kernel can skip a padded end, not the holes between valid tokens)."""
+    if inputs.packed is not None or inputs.d_mask is None:
+        return given_docs(inputs)
+    positions = torch.arange(1, inputs.d_mask.shape[-1] + 1, device=inputs.d_mask.device)
+    extent = (inputs.d_mask * positions).amax(-1, keepdim=True)
+    return inputs.docs[positions <= extent]
+
+
 def ceiling_applies(cell: Cell, inputs: Inputs, floor: dict) -> bool:
-    """Whether the read-once ceiling bounds the cell: memory-bound, 64 MB of docs or more."""
-    docs = read_once_docs(cell, inputs)
+    """Whether the read-once ceiling bounds the cell: memory-bound, 64 MB of docs or more
+    handed in."""
+    docs = given_docs(inputs)
     return floor["bound"] == "memory" and docs.numel() * docs.element_size() >= CEILING_DOC_BYTES
 
 

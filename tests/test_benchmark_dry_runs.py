@@ -147,3 +147,17 @@ def test_make_soak_starts_the_soak():
     done = subprocess.run([sys.executable, *recipe[1:], "--help"], cwd=BENCHMARKS.parent,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "--seconds" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_read_once_ceiling_counts_each_masked_doc_up_to_its_last_valid_token():
+    sys.path.insert(0, str(BENCHMARKS))
+    import grid
+    import torch
+
+    docs = torch.randn(3, 5, 2)
+    d_mask = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    masked = grid.Inputs(q=torch.randn(1, 2, 2), docs=docs, d_mask=d_mask)
+    # The padded ends go, the hole between valid tokens stays, an empty doc reads nothing.
+    assert torch.equal(grid.read_once_docs(masked), torch.cat([docs[0, :2], docs[1, :3]]))
+    assert grid.given_docs(masked) is docs
+    assert grid.read_once_docs(grid.Inputs(q=masked.q, docs=docs)) is docs
