@@ -2,14 +2,15 @@
 one CPU.
 
 Cells: rerank (1 query x 1000 docs, 32 x 300 tokens; d 128, 96, 48), in-batch (32 x 32,
-32 x 300 tokens, d 128), and doc masks (prefix lengths uniform in [32, 300], or holes:
-each token valid with probability 0.7), in fp32 and bf16; inputs are unit-norm tokens
-(maxsim-cpu expects them). Rows: lik.runtime.cpu.forward (scores into a fresh fp32
-output, as the runtime calls it); the flat PyTorch composition (one
-Q.reshape(-1, d) @ D.reshape(-1, d).T, .view(...).amax(-1).sum over query tokens) and
+32 x 300 tokens, d 128), kd reranks (16 queries, each against its own 64 docs), and doc
+masks (prefix lengths uniform in [32, 300], or holes: each token valid with probability
+0.7), in fp32 and bf16; inputs are unit-norm tokens (maxsim-cpu expects them). Rows:
+lik.runtime.cpu.forward (scores into a fresh fp32 output, as the runtime calls it); the
+flat PyTorch composition (one Q.reshape(-1, d) @ D.reshape(-1, d).T, a bmm of each query
+against its docs for kd, .view(...).amax(-1).sum over query tokens) and
 torch.einsum + amax, each with the doc mask filled in place with -inf on the
 similarities they materialize anyway; maxsim-cpu (fp32 only; a prefix mask as its
-variable-length list, a query at a time in-batch; holes it cannot express); and lik's
+variable-length list, a query at a time in-batch and kd; holes it cannot express); and lik's
 reference (plain PyTorch in fp32) for context. Each is checked against the float64
 reference on the same inputs.
 
@@ -25,6 +26,7 @@ KB left out), the compositions' from the similarity tensor they materialize.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import re
@@ -73,6 +75,7 @@ class Cell:
     ld: int
     d: int
     mask: str | None = None  # None, "prefix" or "holes"
+    layout: str = "dense"  # or "kd": each of the nq queries against its own nd docs
 
     @property
     def dims(self) -> str:
@@ -87,6 +90,8 @@ CELLS = [
     Cell("rerank, prefix mask", 1, 1000, 32, 300, 128, "prefix"),
     Cell("rerank, mask with holes", 1, 1000, 32, 300, 128, "holes"),
     Cell("in-batch, prefix mask", 32, 32, 32, 300, 128, "prefix"),
+    Cell("kd rerank", 16, 64, 32, 300, 128, layout="kd"),
+    Cell("kd rerank, prefix mask", 16, 64, 32, 300, 128, "prefix", layout="kd"),
 ]
 QUICK = {("rerank", "fp32"), ("rerank", "bf16"), ("rerank, prefix mask", "fp32")}
 
@@ -107,24 +112,29 @@ def cpu_card() -> tuple[str, str]:
 
 
 def make_inputs(cell: Cell, dtype: torch.dtype, seed: int = 0):
-    """(Q, D, d_mask or None, doc lengths or None) for a cell."""
+    """(Q, D, d_mask or None, doc lengths or None) for a cell: D [Nd, Ld, d], or
+    [Nq, Nd, Ld, d] for kd; d_mask and lengths D's shape without d, and without Ld."""
+    docs = (cell.nq, cell.nd) if cell.layout == "kd" else (cell.nd,)
     Q = normalized_tokens(cell.nq, cell.lq, cell.d, device="cpu", seed=seed, dtype=dtype)
-    D = normalized_tokens(cell.nd, cell.ld, cell.d, device="cpu", seed=seed + 1, dtype=dtype)
+    D = normalized_tokens(math.prod(docs), cell.ld, cell.d, device="cpu", seed=seed + 1,
+                          dtype=dtype).view(*docs, cell.ld, cell.d)  # fmt: skip
     g = torch.Generator().manual_seed(seed + 2)
     if cell.mask is None:
         return Q, D, None, None
     if cell.mask == "prefix":
-        lengths = torch.randint(32, cell.ld + 1, (cell.nd,), generator=g)
-        return Q, D, torch.arange(cell.ld) < lengths[:, None], lengths
-    mask = torch.rand(cell.nd, cell.ld, generator=g) < 0.7
-    mask[:, 0] = True
+        lengths = torch.randint(32, cell.ld + 1, docs, generator=g)
+        return Q, D, torch.arange(cell.ld) < lengths[..., None], lengths
+    mask = torch.rand(*docs, cell.ld, generator=g) < 0.7
+    mask[..., 0] = True
     return Q, D, mask, None
 
 
 def lik_call(Q, D, d_mask):
+    layout = "kd" if D.dim() == 4 else "dense"
+
     def call():
-        out = torch.empty(Q.shape[0], D.shape[0])
-        return cpu.forward("dense", Q, D, None, d_mask, False, out)
+        out = torch.empty(Q.shape[0], D.shape[-3])
+        return cpu.forward(layout, Q, D, None, d_mask, False, out)
 
     return call
 
@@ -141,24 +151,34 @@ def _finish(sim, d_mask, doc_valid):
 
 
 def flat_call(Q, D, d_mask):
+    """One matmul of every query token against every doc token (kd: a batched one, each
+    query against its own docs)."""
     nq, lq, d = Q.shape
-    nd, ld = D.shape[0], D.shape[1]
+    nd, ld = D.shape[-3], D.shape[-2]
+    kd = D.dim() == 4
     doc_valid = None if d_mask is None else d_mask.any(-1)
+    if kd and d_mask is not None:  # over the query token axis of [Nq, Lq, Nd, Ld]
+        d_mask, doc_valid = d_mask[:, None], doc_valid[:, None]
 
     def call():
-        sim = (Q.reshape(-1, d) @ D.reshape(-1, d).T).view(nq, lq, nd, ld)
-        return _finish(sim, d_mask, doc_valid).sum(1)
+        if kd:
+            sim = torch.bmm(Q, D.reshape(nq, nd * ld, d).transpose(1, 2))
+        else:
+            sim = Q.reshape(-1, d) @ D.reshape(-1, d).T
+        return _finish(sim.view(nq, lq, nd, ld), d_mask, doc_valid).sum(1)
 
     return call
 
 
 def einsum_call(Q, D, d_mask):
     doc_valid = None if d_mask is None else d_mask.any(-1)
+    kd = D.dim() == 4
+    # d_mask and doc_valid over the query token axis of the similarities [Nq, Nd, Lq, Ld]
+    dm = None if d_mask is None else (d_mask[:, :, None] if kd else d_mask[None, :, None])
+    dv = None if doc_valid is None else (doc_valid[..., None] if kd else doc_valid[None, :, None])
 
     def call():
-        sim = torch.einsum("isk,jtk->ijst", Q, D)  # [Nq, Nd, Lq, Ld]
-        dm = None if d_mask is None else d_mask[None, :, None, :]
-        dv = None if doc_valid is None else doc_valid[None, :, None]
+        sim = torch.einsum("isk,ijtk->ijst" if kd else "isk,jtk->ijst", Q, D)
         return _finish(sim, dm, dv).sum(-1)
 
     return call
@@ -174,15 +194,24 @@ def maxsim_cpu_call(Q, D, d_mask, lengths, dtype_name):
     if module is None:
         return f"n/a (not installed: {error})"
     queries = [q.numpy() for q in Q]
-    if lengths is None:
-        docs = D.numpy()
-        score = module.maxsim_scores
-    else:  # its variable-length form: a list of each doc's valid tokens
-        docs = [D[j, :length].numpy() for j, length in enumerate(lengths.tolist())]
-        score = module.maxsim_scores_variable
+    score = module.maxsim_scores if lengths is None else module.maxsim_scores_variable
 
-    def call():
-        return torch.stack([torch.from_numpy(score(q, docs)) for q in queries])
+    def docs_of(D, lengths):  # its variable-length form: a list of each doc's valid tokens
+        if lengths is None:
+            return D.numpy()
+        return [D[j, :length].numpy() for j, length in enumerate(lengths.tolist())]
+
+    if D.dim() == 4:  # kd: each query against its own docs
+        docs = [docs_of(D[i], None if lengths is None else lengths[i]) for i in range(len(D))]
+
+        def call():
+            pairs = zip(queries, docs, strict=True)
+            return torch.stack([torch.from_numpy(score(q, d)) for q, d in pairs])
+    else:
+        docs = docs_of(D, lengths)
+
+        def call():
+            return torch.stack([torch.from_numpy(score(q, docs)) for q in queries])
 
     return call
 

@@ -178,3 +178,17 @@ def test_make_bench_and_the_gpu_session_run_every_benchmark():
     extras = re.search(r"^for extra in (.*); do$", session, re.M).group(1).split()
     assert {"forward", "train", *extras} == benches  # forward and train run by default
     assert all(f"RUN_{name.upper()}" in session for name in extras)
+
+
+@pytest.mark.parametrize("layout", ["dense", "kd"])
+@pytest.mark.parametrize("mask", [None, "prefix", "holes"])
+def test_bench_cpu_checks_every_implementation_of_a_cell_against_float64(layout, mask):
+    bench_cpu = pytest.importorskip("bench_cpu")
+    cell = bench_cpu.Cell("tiny", 2, 3, 4, 40, 8, mask, layout)  # prefix lengths from 32
+    for dtype in bench_cpu.DTYPES:
+        record = bench_cpu.run_cell(cell, dtype, repeats=1)
+        for name, result in record["results"].items():
+            if name == "maxsim-cpu" and result["error"]:  # fp32 and lengths only; optional
+                continue
+            assert result["error"] is None and result["parity_ok"], (name, dtype, result)
+        assert record["speedup_of_lik"]
