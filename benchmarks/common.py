@@ -425,7 +425,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(lines)
 
 
-# Plots of more categories than this (the grids' cells) get a bar per cell in at most
+# Plots of more categories than this (the grids' cells) get 0.4 inch per bar, in at most
 # GRID_PLOT_INCHES of width.
 MANY_CATEGORIES = 16
 GRID_PLOT_INCHES = 20.0
@@ -446,7 +446,8 @@ def write_speedup_plot(
 
     width = 0.8 / max(1, len(series))
     many = len(categories) > MANY_CATEGORIES  # a grid's cells: narrower, labels upright
-    inches = min(GRID_PLOT_INCHES, 0.4 * len(categories)) if many else 1.3 * len(categories)
+    bars = len(categories) * max(1, len(series))
+    inches = min(GRID_PLOT_INCHES, 0.4 * bars) if many else 1.3 * len(categories)
     fig, ax = plt.subplots(figsize=(max(6.0, inches), 6.5 if many else 4.5))
     for index, (label, values) in enumerate(series.items()):
         positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(categories))]
