@@ -73,7 +73,7 @@ def doc_extent(mask, base, stride, length):
     count = length * 0
     for start in range(0, length, EXTENT_CHUNK):
         offs = start + tl.arange(0, EXTENT_CHUNK)
-        valid = tl.load(mask + base + offs * stride, mask=offs < length, other=0) != 0
+        valid = token_valid(mask, base, offs, stride, length)
         extent = tl.maximum(extent, tl.max(tl.where(valid, offs + 1, 0)).to(extent.dtype))
         count += tl.sum(valid.to(tl.int32)).to(count.dtype)
     return extent, count
