@@ -240,14 +240,12 @@ def kernel_args(
     bwd_q_strides = (q_strides if normalize else []) + d_strides
     bwd_d_inputs = q + (d if normalize else []) + ragged + grad + argmax
     bwd_d_strides = q_strides + (d_strides if normalize else [])
-    # Dense and varlen grad_D read the winner lists a route pass writes (lowmem.py.j2);
-    # varlen's route pass also finds each program's doc and first token (tile_doc,
-    # tile_first) from the doc offsets.
+    # Dense and varlen grad_D read the winner lists a route pass writes (lowmem.py.j2),
+    # and each program's facts: where its list starts and its length, and for varlen its
+    # doc and first token, which the route pass finds from the doc offsets.
     route, route_args = [], ()
     if routes_grad_d(variant):
-        tile_map = [KernelArg("TileDoc", "tile_doc"), KernelArg("TileFirst", "tile_first")]
-        route = [KernelArg("Route", "route"), KernelArg("RouteStart", "route_start"),
-                 KernelArg("RouteCount", "route_count")] + (tile_map if ragged else [])  # fmt: skip
+        route = [KernelArg("Route", "route"), KernelArg("TileFacts", "tile_facts")]
         route_names = KERNEL_SIZES["bwd_route"][layout]
         route_sizes = [KernelArg(s, size_expr.get(s, s)) for s in route_names]
         doc_offsets = [KernelArg("cu_seqlens_d", "cu_seqlens_d")] if ragged else []

@@ -40,6 +40,17 @@ def stream_key(device: torch.device) -> tuple | None:
 # (lik.runtime.launch_plan) allocates it again on each replay.
 empty = recorded(torch.empty)
 zeros = recorded(torch.zeros)
+# So do the casts and views of what they made that they pass on or return.
+converted = recorded(torch.Tensor.to)
+reshaped = recorded(torch.Tensor.reshape)
+
+
+@recorded
+def head_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as rows of its last (head dim) axis, [-1, d] with unit stride: a view where one
+    exists, else a copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 @recorded

@@ -91,6 +91,34 @@ def test_a_replay_makes_fresh_scratch_and_drops_it_after_its_last_use():
     assert dropped == [3]
 
 
+def _doubled(grid, stream, args):
+    """A stand-in compiled launch: G = 2 * X over rows."""
+    X, G = args
+    G.copy_(2 * X)
+
+
+def _finishing_launcher(X):
+    """A launcher that returns a cast of fp32 scratch in X's shape and dtype, as the
+    unified backward's finish does: rows of the head dim, a cast, a reshape."""
+    X2 = workspace.head_rows(X)
+    G = workspace.zeros(X2.shape, dtype=torch.float32, device=X.device)
+    _log_launch(_doubled, (X2, G))
+    return workspace.reshaped(workspace.converted(G, X.dtype), X.shape)
+
+
+@pytest.mark.parametrize("strided_head", [False, True], ids=["rows", "strided-head-dim"])
+def test_casts_and_views_through_workspace_replay_on_new_tensors(strided_head):
+    def tokens(seed):
+        X = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(seed))
+        return X.transpose(1, 2).contiguous().transpose(1, 2) if strided_head else X
+
+    plan = _record(_finishing_launcher, [tokens(0)])
+    assert plan is not None
+    X = tokens(1)
+    replayed = plan.replay([X], stream=0)
+    assert replayed.shape == X.shape and torch.equal(replayed, 2 * X)
+
+
 def test_a_tensor_the_log_does_not_know_is_never_replayed():
     def makes_a_view(out, X, mask, *, n):
         _log_launch(_kernel, (X[:n], _count(mask), out, n))  # X[:n] is a new tensor object

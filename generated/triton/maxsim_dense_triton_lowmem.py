@@ -2,7 +2,7 @@
 # kernel: maxsim_dense_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "dense", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 3e653973d0585f552f7f701533de2b664486ac2c93288b28d442d1bbc4e3d9e8
+# body-sha256: 07cb89a881763ebb41e16de727da8bd25714861872014ab558e2e191dce9d8eb
 
 """MaxSim training (lowmem backward) for maxsim_dense_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -336,8 +336,7 @@ def _doc_winners(doc_argmax, offs_q, offs_s, Nq, Lq, stride_ab, stride_as):
 def maxsim_dense_triton_lowmem_route_kernel(
     Argmax,
     Route,
-    RouteStart,
-    RouteCount,
+    TileFacts,
     Nq,
     Lq,
     Ld,
@@ -352,6 +351,11 @@ def maxsim_dense_triton_lowmem_route_kernel(
     (doc, block of doc tokens), in (query, token) order, at Route[doc, RouteStart[pid]:]:
     the doc's lists are packed tile after tile, so they fit the doc's Nq * Lq slots."""
     pid = tl.program_id(0).to(tl.int64)
+    # TileFacts' rows, one entry per program of the grid: where the program's winner list
+    # starts in Route and its length.
+    programs = tl.num_programs(0).to(tl.int64)
+    RouteStart = TileFacts
+    RouteCount = TileFacts + programs
     token_blocks = tl.cdiv(Ld, BLOCK_L)
     doc = pid // token_blocks
     first = (pid % token_blocks) * BLOCK_L
@@ -386,8 +390,7 @@ def maxsim_dense_triton_lowmem_bwd_d_kernel(
     Grad,
     Argmax,
     Route,
-    RouteStart,
-    RouteCount,
+    TileFacts,
     GD,
     Nq,
     Lq,
@@ -417,6 +420,11 @@ def maxsim_dense_triton_lowmem_bwd_d_kernel(
     NORMALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    # TileFacts' rows, one entry per program of the grid: where the program's winner list
+    # starts in Route and its length.
+    programs = tl.num_programs(0).to(tl.int64)
+    RouteStart = TileFacts
+    RouteCount = TileFacts + programs
     token_blocks = tl.cdiv(Ld, BLOCK_L)
     owner = pid // token_blocks
     offs_t = (pid % token_blocks) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -612,14 +620,13 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
     tiles = lowmem_d_grid(Nd, Ld, config.block_l)[0]
     slot_dtype = torch.int16 if Nq * Lq < 2**15 else torch.int32
     route = workspace.empty((Nd, Nq * Lq), dtype=slot_dtype, device=Q.device)
-    route_start = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
-    route_count = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
+    # Rows of per-program facts (lowmem.py.j2's tile_facts), one buffer for all.
+    tile_facts = workspace.empty((2, tiles), dtype=torch.int32, device=Q.device)
     argmax_strides = argmax.stride()
     maxsim_dense_triton_lowmem_route_kernel[(tiles,)](
         argmax,
         route,
-        route_start,
-        route_count,
+        tile_facts,
         Nq,
         Lq,
         Ld,
@@ -643,8 +650,7 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
         grad_out,
         argmax,
         route,
-        route_start,
-        route_count,
+        tile_facts,
         GD,
         Nq,
         Lq,
@@ -676,7 +682,8 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
         num_stages=config.num_stages,
     )
 
-    del route, route_start, route_count
+    del route, tile_facts
+
     GQ = workspace.empty(Q.shape, dtype=Q.dtype, device=Q.device)
     Q_strides = Q.stride()
     D_strides = D.stride()

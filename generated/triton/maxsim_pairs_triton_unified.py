@@ -2,7 +2,7 @@
 # kernel: maxsim_pairs_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "pairs", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 719795d268492fbff5f55ea377474134a12332bb5e13c8a0a8370f47d3e3f5ed
+# body-sha256: e79dab968fbbd5e103cfd784c1e8f52426f875d5f6d0668fe31f66d6ef928f2b
 
 """MaxSim training (unified backward) for maxsim_pairs_triton_unified: Q [Nq, Lq, d] against D -> [B] fp32."""
 
@@ -404,13 +404,8 @@ def backward(grad_out, argmax, Q, D, *, normalize, config):
 
 def _finish(G, X, normalize, config):
     if not normalize:
-        return G.to(X.dtype)
-    # Row views: X's last axis is the head dim; other axes fold into rows (a copy only if X
-    # cannot be viewed that way).
-    X2 = X.reshape(-1, X.shape[-1])
-    if X2.stride(1) != 1:  # the Jacobian pass reads unit-stride rows: a strided head dim is copied
-        X2 = X2.contiguous()
-    G2 = G.view(-1, G.shape[-1])
+        return workspace.converted(G, X.dtype)
+    X2, G2 = workspace.head_rows(X), workspace.head_rows(G)
     out = workspace.empty(X2.shape, dtype=X.dtype, device=X.device)
     n_rows, dim = X2.shape
     if n_rows:
@@ -427,4 +422,4 @@ def _finish(G, X, normalize, config):
             BLOCK_K=config.block_k,
             num_warps=config.num_warps,
         )
-    return out.view(X.shape)
+    return workspace.reshaped(out, X.shape)

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_lowmem
 # spec: {"backward": "lowmem", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_lowmem.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/lowmem.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 7d38c375213d394855d330133a169ed039afb1d8fc5ebca419598794ddeca090
+# body-sha256: 2ea812c7fa8ddb9093ef0cb3ace4d762035c9a5464f1abd818fc212e8ae98572
 
 """MaxSim training (lowmem backward) for maxsim_varlen_triton_lowmem: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -301,10 +301,7 @@ def maxsim_varlen_triton_lowmem_route_kernel(
     Argmax,
     cu_seqlens_d,
     Route,
-    RouteStart,
-    RouteCount,
-    TileDoc,
-    TileFirst,
+    TileFacts,
     Nq,
     Nd,
     Lq,
@@ -321,6 +318,13 @@ def maxsim_varlen_triton_lowmem_route_kernel(
     (doc, block of doc tokens), in (query, token) order, at Route[doc, RouteStart[pid]:]:
     the doc's lists are packed tile after tile, so they fit the doc's Nq * Lq slots."""
     pid = tl.program_id(0).to(tl.int64)
+    # TileFacts' rows, one entry per program of the grid: where the program's winner list
+    # starts in Route and its length, its doc and its first token.
+    programs = tl.num_programs(0).to(tl.int64)
+    RouteStart = TileFacts
+    RouteCount = TileFacts + programs
+    TileDoc = TileFacts + 2 * programs
+    TileFirst = TileFacts + 3 * programs
     found, first = _doc_tile(cu_seqlens_d, pid, Nd, total_d, BLOCK_L, SCAN_DOCS)
     tl.store(TileDoc + pid, found.to(TileDoc.dtype.element_ty))
     tl.store(TileFirst + pid, first.to(TileFirst.dtype.element_ty))
@@ -361,10 +365,7 @@ def maxsim_varlen_triton_lowmem_bwd_d_kernel(
     Grad,
     Argmax,
     Route,
-    RouteStart,
-    RouteCount,
-    TileDoc,
-    TileFirst,
+    TileFacts,
     GD,
     Nq,
     Nd,
@@ -391,6 +392,13 @@ def maxsim_varlen_triton_lowmem_bwd_d_kernel(
     NORMALIZE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    # TileFacts' rows, one entry per program of the grid: where the program's winner list
+    # starts in Route and its length, its doc and its first token.
+    programs = tl.num_programs(0).to(tl.int64)
+    RouteStart = TileFacts
+    RouteCount = TileFacts + programs
+    TileDoc = TileFacts + 2 * programs
+    TileFirst = TileFacts + 3 * programs
     # The route pass found this program's doc (Nd: no tile left) and first token.
     doc = tl.load(TileDoc + pid).to(tl.int64)
     first = tl.load(TileFirst + pid).to(tl.int64)
@@ -580,20 +588,14 @@ def backward(
     tiles = lowmem_d_grid(Nd, total_d, config.block_l)[0]
     slot_dtype = torch.int16 if Nq * max_seqlen_q < 2**15 else torch.int32
     route = workspace.empty((Nd, Nq * max_seqlen_q), dtype=slot_dtype, device=Q.device)
-    # Each program's doc and first token, as the route pass finds them for grad_D.
-    tile_doc = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
-    tile_first = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
-    route_start = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
-    route_count = workspace.empty(tiles, dtype=torch.int32, device=Q.device)
+    # Rows of per-program facts (lowmem.py.j2's tile_facts), one buffer for all.
+    tile_facts = workspace.empty((4, tiles), dtype=torch.int32, device=Q.device)
     argmax_strides = argmax.stride()
     maxsim_varlen_triton_lowmem_route_kernel[(tiles,)](
         argmax,
         cu_seqlens_d,
         route,
-        route_start,
-        route_count,
-        tile_doc,
-        tile_first,
+        tile_facts,
         Nq,
         Nd,
         max_seqlen_q,
@@ -621,10 +623,7 @@ def backward(
         grad_out,
         argmax,
         route,
-        route_start,
-        route_count,
-        tile_doc,
-        tile_first,
+        tile_facts,
         GD,
         Nq,
         Nd,
@@ -653,7 +652,8 @@ def backward(
         num_stages=config.num_stages,
     )
 
-    del route, route_start, route_count, tile_doc, tile_first
+    del route, tile_facts
+
     GQ = workspace.zeros(Q.shape, dtype=Q.dtype, device=Q.device)
     Q_strides = Q.stride()
     D_strides = D.stride()

@@ -2,7 +2,7 @@
 # kernel: maxsim_varlen_triton_unified
 # spec: {"backward": "unified", "decompression": "none", "layout": "varlen", "op": "maxsim", "scaled": false, "score": "max", "target": "triton"}
 # templates: glue/backward_unified.py.j2, glue/launch_triton.py.j2, glue/macros.py.j2, triton/backward/unified.py.j2, triton/load_doc_tile/none.py.j2, triton/maxsim.py.j2, triton/partials/forward_kernel.py.j2, triton/partials/layout.py.j2
-# body-sha256: 88c39719cca91357ffc742ca3ccaae4b6e27fc32410ef59f6a8e9849e06c37ff
+# body-sha256: 731eb48140424f0335e9dc4d13e1615d7e5abb865b9a686028683423fd6d282b
 
 """MaxSim training (unified backward) for maxsim_varlen_triton_unified: Q [Nq, Lq, d] against D -> [Nq, Nd] fp32."""
 
@@ -426,13 +426,8 @@ def backward(
 
 def _finish(G, X, normalize, config):
     if not normalize:
-        return G.to(X.dtype)
-    # Row views: X's last axis is the head dim; other axes fold into rows (a copy only if X
-    # cannot be viewed that way).
-    X2 = X.reshape(-1, X.shape[-1])
-    if X2.stride(1) != 1:  # the Jacobian pass reads unit-stride rows: a strided head dim is copied
-        X2 = X2.contiguous()
-    G2 = G.view(-1, G.shape[-1])
+        return workspace.converted(G, X.dtype)
+    X2, G2 = workspace.head_rows(X), workspace.head_rows(G)
     out = workspace.empty(X2.shape, dtype=X.dtype, device=X.device)
     n_rows, dim = X2.shape
     if n_rows:
@@ -449,4 +444,4 @@ def _finish(G, X, normalize, config):
             BLOCK_K=config.block_k,
             num_warps=config.num_warps,
         )
-    return out.view(X.shape)
+    return workspace.reshaped(out, X.shape)
