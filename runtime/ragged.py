@@ -215,7 +215,7 @@ def _ragged_backward(grads, inputs, saved, call: _RaggedCall, needs):
     Q, D, *rest = inputs
     (argmax,) = saved
     tensors = dict(zip(_TENSORS, rest, strict=False))
-    return dispatch.backward_ragged(call.layout, grads[0].contiguous(), argmax, Q, D, tensors,
+    return dispatch.backward_ragged(call.layout, grads[0], argmax, Q, D, tensors,
                                     argmax.shape[-1], call.normalize, call.backward)  # fmt: skip
 
 

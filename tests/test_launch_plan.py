@@ -321,6 +321,67 @@ def test_replayed_plans_score_and_train_as_the_reference(name, training):
         assert calls.get("backward"), "the backward replays as a call plan"
 
 
+def _ragged_offsets():
+    """int32 offsets of 5 queries (1-23 tokens) and 4 docs (1-69 tokens) of ragged lengths."""
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.randint(1, 24, (5,), generator=g), torch.randint(1, 70, (4,), generator=g))
+    return [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).int().cuda()
+            for n in lengths]  # fmt: skip
+
+
+RAGGED_CALLS = {  # name -> (score_pairs_packed's layout, normalize, backward strategy)
+    "varlen": ("varlen", False, None),
+    "varlen-unified-normalized": ("varlen", True, "unified"),
+    "packed-pairs": ("packed_pairs", False, None),
+    "packed-pairs-normalized": ("packed_pairs", True, None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(RAGGED_CALLS))
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+def test_replayed_ragged_calls_score_and_train_as_the_reference(name, training):
+    """As above for the ragged entries, whose backwards cast and reshape fp32 scratch:
+    three calls of one signature, each replayed after the first, match the reference."""
+    from lik.runtime import maxsim_varlen, score_pairs_packed
+    from lik.runtime.reference import score_pairs_packed_reference
+
+    layout, normalize, backward = RAGGED_CALLS[name]
+    pair_q = torch.tensor([0, 4, 2, 2, 1, 3], device="cuda")
+    pair_d = torch.tensor([1, 0, 3, 2, 3, 0], device="cuda")
+    pairs = {} if layout == "varlen" else {"pair_q_idx": pair_q, "pair_d_idx": pair_d}
+    launch_plan.clear()
+    cu_q, cu_d = _ragged_offsets()  # one batch's, so that every call has one signature
+    for seed in range(3):
+        Q = _tokens(int(cu_q[-1]), 96, seed=10 * seed, grad=training)
+        D = _tokens(int(cu_d[-1]), 96, seed=10 * seed + 1, grad=training)
+        bounds = {"max_seqlen_q": 24, "max_seqlen_d": 70}
+        if layout == "varlen":
+            scores = maxsim_varlen(Q, D, cu_q, cu_d, 24, 70, normalize=normalize,
+                                   backward=backward)  # fmt: skip
+        else:
+            scores = score_pairs_packed(Q, D, cu_q, cu_d, pair_q, pair_d, **bounds,
+                                        normalize=normalize)  # fmt: skip
+        Qr = Q.detach().double().requires_grad_(training)
+        Dr = D.detach().double().requires_grad_(training)
+        ref = score_pairs_packed_reference(Qr, Dr, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d,
+                                           layout=layout, normalize=normalize, **pairs)  # fmt: skip
+        assert relative_error(scores, ref) < TOLERANCE[torch.bfloat16]
+        if training:
+            weights = torch.randn_like(ref)
+            gq, gd = torch.autograd.grad((scores * weights.float()).sum(), (Q, D))
+            rq, rd = torch.autograd.grad((ref * weights).sum(), (Qr, Dr))
+            assert relative_error(gq, rq) < TOLERANCE[torch.bfloat16]
+            assert relative_error(gd, rd) < TOLERANCE[torch.bfloat16]
+    plans = [plan for plan, _ in launch_plan._plans.values()]
+    assert plans and all(plan is not None for plan in plans), "every launcher replays"
+    calls = {key[0]: entry for key, entry in launch_plan._calls.items()}
+    assert calls.get("forward_ragged"), "the forward replays as a call plan"
+    if training:
+        assert calls.get("backward_ragged"), "the backward replays as a call plan"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
