@@ -83,8 +83,18 @@ def _replayed(key: tuple, call_tensors: tuple):
                        raw_stream(device))  # fmt: skip
 
 
+def replayed_call(backend: str, call_tensors: tuple, *flags):
+    """(key, result): a call's signature (None off CUDA) and, where that signature made a
+    single replayable launch before, the result of replaying it on call_tensors, else
+    NOT_PLANNED. A call that is not replayed launches inside capturing(key, ...)."""
+    key = _call_key(backend, call_tensors, *flags)
+    if key is None:
+        return None, launch_plan.NOT_PLANNED
+    return key, _replayed(key, call_tensors)
+
+
 @contextlib.contextmanager
-def _capturing(key: tuple | None, call_tensors: tuple):
+def capturing(key: tuple | None, call_tensors: tuple):
     """Runs a call's launches and, where the call signature is new, remembers whether
     it made a single replayable launch (launch_plan.remember_call)."""
     if key is None or launch_plan.call_plan(key) is not None:
@@ -200,8 +210,9 @@ def forward(
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     q_bytes, d_bytes = validate.byte_mask(q_mask), validate.byte_mask(d_mask)
     call = (out, Q, D, q_bytes, d_bytes, argmax)
-    key = _call_key(backend, call, "forward", layout, normalize, backward, masked_as_zero)
-    if key is not None and _replayed(key, call) is not launch_plan.NOT_PLANNED:
+    key, replayed = replayed_call(backend, call, "forward", layout, normalize, backward,
+                                  masked_as_zero)  # fmt: skip
+    if replayed is not launch_plan.NOT_PLANNED:
         return out
     name = variant_name(layout, q_mask is not None, d_mask is not None, normalize, Q.dtype,
                         backward=backward, masked_as_zero=masked_as_zero)  # fmt: skip
@@ -209,7 +220,7 @@ def forward(
     if d_bytes is not None:
         shared["d_mask"] = d_bytes
     per_token = {"q_mask": q_bytes, "argmax": argmax}
-    with _capturing(key, call):
+    with capturing(key, call):
         return launch_in_query_chunks(name, out, Q, per_token, shared, docs=D.shape[0],
                                       doc_tokens=D.shape[-2])  # fmt: skip
 
@@ -295,13 +306,11 @@ def backward(
         )
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     call = (grad_out, argmax, Q, D)
-    key = _call_key(backend, call, "backward", layout, has_q_mask, has_d_mask, normalize,
-                    strategy, masked_as_zero)  # fmt: skip
-    if key is not None:
-        grads = _replayed(key, call)
-        if grads is not launch_plan.NOT_PLANNED:
-            return grads
-    with _capturing(key, call):
+    key, grads = replayed_call(backend, call, "backward", layout, has_q_mask, has_d_mask,
+                               normalize, strategy, masked_as_zero)  # fmt: skip
+    if grads is not launch_plan.NOT_PLANNED:
+        return grads
+    with capturing(key, call):
         return _backward_in_query_chunks(layout, grad_out, argmax, Q, D, has_q_mask, has_d_mask,
                                          normalize, strategy, masked_as_zero)  # fmt: skip
 
@@ -356,9 +365,9 @@ def forward_ragged(
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     # A signature seen before passed the checks below: its launch replays.
     call = (out, Q, D, *tensors.values(), argmax)
-    key = _call_key(backends.of(Q), call, "forward_ragged", layout, max_seqlen_q, normalize,
-                    backward)  # fmt: skip
-    if key is not None and _replayed(key, call) is not launch_plan.NOT_PLANNED:
+    key, replayed = replayed_call(backends.of(Q), call, "forward_ragged", layout, max_seqlen_q,
+                                  normalize, backward)  # fmt: skip
+    if replayed is not launch_plan.NOT_PLANNED:
         return out
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=backward)
     module = registry.load(name)
@@ -375,7 +384,7 @@ def forward_ragged(
     adjust = None
     if layout == "varlen":
         adjust = functools.partial(stack_ragged_queries, queries=out.shape[0])
-    with _capturing(key, call):
+    with capturing(key, call):
         launch_keyed(name, module, Q, max_seqlen_q, out, Q, D, **tensors,
                      max_seqlen_q=max_seqlen_q, adjust=adjust, **extra)  # fmt: skip
     return out
@@ -398,12 +407,10 @@ def backward_ragged(
         return torch.zeros_like(Q), torch.zeros_like(D)
     Q, D = unit_head_stride(Q), unit_head_stride(D)
     call = (grad_out, argmax, Q, D, *tensors.values())
-    key = _call_key(backends.of(Q), call, "backward_ragged", layout, max_seqlen_q, normalize,
-                    strategy)  # fmt: skip
-    if key is not None:
-        grads = _replayed(key, call)
-        if grads is not launch_plan.NOT_PLANNED:
-            return grads
+    key, grads = replayed_call(backends.of(Q), call, "backward_ragged", layout, max_seqlen_q,
+                               normalize, strategy)  # fmt: skip
+    if grads is not launch_plan.NOT_PLANNED:
+        return grads
     name = variant_name(layout, False, False, normalize, Q.dtype, backward=strategy)
     module = registry.load(name)
 
@@ -412,7 +419,7 @@ def backward_ragged(
                                config=config)  # fmt: skip
 
     config = call_config(name, module, Q, max_seqlen_q, grad_out.numel(), kernel="bwd", run=run)
-    with _capturing(key, call):
+    with capturing(key, call):
         grads, _ = launch_fitted(module.backward, config, grad_out, argmax, Q, D, **tensors,
                                  max_seqlen_q=max_seqlen_q)  # fmt: skip
     return grads

@@ -34,7 +34,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from lik.runtime import backends, dispatch, heuristics, ops, ragged, registry, validate
+from lik.runtime import backends, dispatch, heuristics, launch_plan, ops, ragged, registry, validate
 from lik.runtime.keys import MAX_HEAD_DIM, SUPPORTED_DTYPES, variant_name
 from lik.runtime.reference import (
     decompress_residual_reference,
@@ -385,13 +385,25 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
     out = torch.empty((Nq, cu_d.shape[0] - 1), dtype=torch.float32, device=Q.device)
     if out.numel() == 0:
         return out
+    residuals = _residual_words(residuals)  # once for every query chunk
+    # A whole query batch as packed queries: Nq sequences of Lq tokens (a view when Q is
+    # contiguous). A call signature seen before replays its one launch.
+    whole = Q.reshape(Nq * Q.shape[1], Q.shape[2])
+    cu_q = ragged.uniform_offsets(Nq, Q.shape[1], Q.device)
+    call = (out, whole, codes, residuals, centroids, bucket_weights, cu_q, cu_d)
+    key, replayed = dispatch.replayed_call(backends.of(Q), call, "residual_varlen", nbits)
+    if replayed is not launch_plan.NOT_PLANNED:
+        return out
     name = _variant("varlen", centroids, nbits)
     module = registry.load(name)
-    residuals = _residual_words(residuals)  # once for every query chunk
-    for start, stop in _query_chunks(module, Q):
+    chunks = _query_chunks(module, Q)
+    if len(chunks) == 1:
+        with dispatch.capturing(key, call):
+            _launch(name, module, whole, Q.shape[1], out, whole, codes, residuals, centroids,
+                    bucket_weights, cu_q, cu_d, max_seqlen_q=Q.shape[1])  # fmt: skip
+        return out
+    for start, stop in chunks:
         lq = stop - start
-        # The varlen kernel reads packed queries: a padded [Nq, lq, d] batch is Nq
-        # sequences of lq tokens (a view when Q is contiguous).
         packed = Q[:, start:stop].reshape(Nq * lq, Q.shape[2])
         cu_q = ragged.uniform_offsets(Nq, lq, Q.device)
         target = out if start == 0 else torch.empty_like(out)

@@ -664,6 +664,10 @@ def test_gpu_varlen_rerank_replays_in_a_cuda_graph_and_runs_on_any_stream():
         again = rerank(queries[2])
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(again, expected[2])
+    # Eager repeats replayed the call's launch (dispatch.replayed_call).
+    from lik.runtime import launch_plan
+
+    assert any(key[0] == "residual_varlen" and entry for key, entry in launch_plan._calls.items())
     ref = maxsim_residual_reference(queries[1].cpu().double(), codes, residuals, lengths,
                                     centroids.double(), weights.double(), 4)  # fmt: skip
     assert relative_error(expected[1], ref) < _bound(torch.float16)
