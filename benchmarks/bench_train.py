@@ -34,13 +34,16 @@ from common import (  # noqa: E402
     gpu_name,
     graph_replay,
     markdown_table,
+    measure_ceilings,
     missing_gpu,
     normalized_tokens,
     peak_extra_memory_mib,
+    percent_of_roofline,
     provenance,
     relative_error,
     release_cached_memory,
     result_stem,
+    roofline_floor,
     write_results,
 )
 from grid import eager_scores  # noqa: E402
@@ -358,14 +361,20 @@ def measure_grid_implementation(key, cell, x, weights, reference, dry_run) -> di
     return result
 
 
-def measure_grid_cell(cell: shapes.Cell, device, dry_run: bool) -> dict:
+def train_floor(cell: shapes.Cell, ceilings: dict | None) -> dict:
+    """A step's floor: its forward's FLOPs at the matmul rate (an argmax backward gathers
+    and needs none), its least traffic (Cell.train_bytes_moved) at the copy rate."""
+    return roofline_floor(cell, ceilings, cell.train_bytes_moved())
+
+
+def measure_grid_cell(cell: shapes.Cell, device, dry_run: bool, ceilings=None) -> dict:
     (x,) = grid.input_sets(cell, device, 1, seed=11)
     for leaf in (x.q, x.docs, *((x.packed.q, x.packed.docs) if x.packed else ())):
         leaf.requires_grad_()
     weights = torch.randn(cell.shape.nq, cell.shape.nd, device=device,
                           generator=torch.Generator(device).manual_seed(7))  # fmt: skip
     reference = grid.reference_gradients(cell, x, weights)
-    record = {**cell.as_dict(), "results": {}}
+    record = {**cell.as_dict(), **train_floor(cell, ceilings), "results": {}}
     for key in GRID_IMPLEMENTATIONS:
         result = measure_grid_implementation(key, cell, x, weights, reference, dry_run)
         record["results"][key] = result
@@ -377,6 +386,8 @@ def measure_grid_cell(cell: shapes.Cell, device, dry_run: bool) -> dict:
                   f"{result['grad_d_err'] or float('nan'):.1e} {result['error'] or ''}",
                   flush=True)  # fmt: skip
         release_cached_memory()
+    lik_ms = record["results"]["lik-auto"]["ms"]
+    record["pct_floor"] = percent_of_roofline(record["floor_ms"], lik_ms)
     del x, weights, reference
     release_cached_memory()
     return record
@@ -392,10 +403,12 @@ def grid_ratio(record: dict) -> float | None:
 def grid_markdown(report: dict) -> str:
     keys = GRID_IMPLEMENTATIONS
     timing = report["timing"]
-    headers = ["cell", "axes", "Nq, Nd, Lq, Ld, d", *keys, "lik vs best peer"]
+    headers = ["cell", "axes", "Nq, Nd, Lq, Ld, d", *keys, "lik vs best peer", "floor",
+               "lik % floor"]  # fmt: skip
     rows = [[r["name"], ", ".join(r["axes"]), f"{r['Nq']}, {r['Nd']}, {r['Lq']}, {r['Ld']}, "
              f"{r['d']}", *(grid.result_cell(r["results"][k], "ms", format_ms) for k in keys),
-             format_ratio(grid_ratio(r))] for r in report["cells"]]  # fmt: skip
+             format_ratio(grid_ratio(r)), format_ms(r.get("floor_ms")),
+             format_ratio(r.get("pct_floor"), "%")] for r in report["cells"]]  # fmt: skip
 
     def errors(result):
         if result["grad_q_err"] is None:
@@ -421,6 +434,8 @@ def grid_markdown(report: dict) -> str:
         "lik's, among the peers that train the cell (one that failed the gradient check counts "
         "too, flagged FAIL).",
         "",
+        floor_line(report),
+        "",
         grid.ratio_line(report, grid_ratio),
         grid.parity_line(report, {k: k for k in keys}),
         "",
@@ -443,6 +458,23 @@ def grid_markdown(report: dict) -> str:
     return "\n".join(parts)
 
 
+def floor_line(report: dict) -> str:
+    """What the floor column counts, the ceilings it used, and the KD cells' worst %."""
+    ceilings = report.get("ceilings")
+    line = ("Floor: the step's forward FLOPs at the measured bf16 matmul rate or its least "
+            "traffic at the measured copy rate, whichever is longer: Q and D read once, their "
+            "gradients written once, the fp32 scores written and their gradient read (an "
+            "argmax backward gathers winners and needs no matmul).")  # fmt: skip
+    if not ceilings:
+        return line + " No ceilings in this run (no GPU): no floor."
+    line += (f" Ceilings: copy {ceilings['copy_tbps']:.2f} TB/s (read + write), matmul "
+             f"{ceilings['matmul_tflops']:.0f} TFLOP/s.")  # fmt: skip
+    kd = [r["pct_floor"] for r in report["cells"] if r["layout"] == "kd" and r.get("pct_floor")]
+    if kd:
+        line += f" KD cells: lik at {min(kd):.0f}-{max(kd):.0f}% of their floor."
+    return line
+
+
 def write_grid(report: dict, out: Path, stem: str) -> None:
     title = f"lik training grid (GPU time per step), {report['gpu']}"
     write_results(out, stem, report, grid_markdown(report),
@@ -457,13 +489,15 @@ def run_grid(args) -> int:
     report = {"suite": GRID_SUITE, "env": environment_info(["lik", "late-interaction-kernels",
                                                             "flash-maxsim"]),
               "gpu": gpu_name(), "timing": {"timer": timer, **timing},
+              "ceilings": None if args.dry_run else measure_ceilings(device, **timing),
               "gradient_tolerance": GRADIENT_TOLERANCE, "implementations": GRID_IMPLEMENTATIONS,
               "not_applicable": grid.NOT_APPLICABLE, "cells": []}  # fmt: skip
     stem = result_stem(GRID_SUITE, report["gpu"], args.dry_run)
     for cell in cells:
         print(f"[{cell.name}] {cell.shape.dims} ({', '.join(cell.axes)})", flush=True)
         measured = grid.tiny(cell) if args.dry_run else cell
-        report["cells"].append(measure_grid_cell(measured, device, args.dry_run))
+        report["cells"].append(measure_grid_cell(measured, device, args.dry_run,
+                                                 report["ceilings"]))  # fmt: skip
         # After every cell, so a cut-off run keeps what it measured.
         write_grid(report, args.out, stem)
     print(grid_markdown(report))

@@ -243,12 +243,15 @@ def measure_ceilings(device, *, warmup_ms: int, rep_ms: int) -> dict:
     return ceilings
 
 
-def roofline_floor(shape: Shape, ceilings: dict | None) -> dict:
-    """Lower bound on time from the measured ceilings, and which one binds."""
+def roofline_floor(shape: Shape, ceilings: dict | None, moved_bytes: int | None = None) -> dict:
+    """Lower bound on time from the measured ceilings, and which one binds: the shape's
+    FLOPs at the matmul rate, its bytes (shape.bytes_moved() unless given) at the copy
+    rate."""
     if not ceilings:
         return {"floor_ms": None, "bound": None}
+    moved = shape.bytes_moved() if moved_bytes is None else moved_bytes
     compute_ms = shape.flops / (ceilings["matmul_tflops"] * 1e12) * 1e3
-    memory_ms = shape.bytes_moved() / (ceilings["copy_tbps"] * 1e12) * 1e3
+    memory_ms = moved / (ceilings["copy_tbps"] * 1e12) * 1e3
     bound = "compute" if compute_ms >= memory_ms else "memory"
     return {"floor_ms": max(compute_ms, memory_ms), "bound": bound}
 

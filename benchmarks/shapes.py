@@ -94,6 +94,11 @@ class Cell:
         """D and Q read once (padded), fp32 scores written once."""
         return self.input_bytes(element_size) + self.shape.nq * self.shape.nd * 4
 
+    def train_bytes_moved(self, element_size: int = 2) -> int:
+        """A training step's least traffic: Q and D read once and their gradients written
+        once, in the input dtype; the fp32 scores written and their gradient read."""
+        return 2 * self.input_bytes(element_size) + 2 * self.shape.nq * self.shape.nd * 4
+
     def as_dict(self) -> dict:
         return {**self.shape.as_dict(), "name": self.name, "axes": list(self.axes),
                 "dtype": self.dtype, "mask": self.mask, "ragged": self.ragged,

@@ -192,3 +192,26 @@ def test_bench_cpu_checks_every_implementation_of_a_cell_against_float64(layout,
                 continue
             assert result["error"] is None and result["parity_ok"], (name, dtype, result)
         assert record["speedup_of_lik"]
+
+
+def test_the_training_floor_counts_a_steps_least_traffic_and_its_forward_flops():
+    bench_train = pytest.importorskip("bench_train")
+    import shapes
+    from common import Shape
+
+    cell = shapes.Cell(Shape("kd", 4, 3, 8, 20, 16), axes=("layout",), layout="kd")
+    ceilings = {"copy_tbps": 2.0, "matmul_tflops": 1e-6}  # a slow matmul: compute binds
+    # Q 4 x 8 and 4 x 3 docs of 20 tokens, d 16, bf16, read once and their gradients
+    # written once; 12 fp32 scores written and their gradient read.
+    moved = 2 * (4 * 8 + 12 * 20) * 16 * 2 + 2 * 12 * 4
+    assert cell.train_bytes_moved() == moved
+    flops = 2 * 12 * 8 * 20 * 16
+    compute = bench_train.train_floor(cell, ceilings)
+    assert compute == {"floor_ms": pytest.approx(flops / 1e6 * 1e3), "bound": "compute"}
+    memory = bench_train.train_floor(cell, {**ceilings, "matmul_tflops": 1e3})
+    assert memory == {"floor_ms": pytest.approx(moved / 2e12 * 1e3), "bound": "memory"}
+    assert bench_train.train_floor(cell, None)["floor_ms"] is None
+    report = {"ceilings": ceilings, "cells": [{"layout": "kd", "pct_floor": 61.0},
+                                              {"layout": "kd", "pct_floor": 87.0},
+                                              {"layout": "dense", "pct_floor": 20.0}]}  # fmt: skip
+    assert "KD cells: lik at 61-87% of their floor." in bench_train.floor_line(report)
