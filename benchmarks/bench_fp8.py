@@ -9,6 +9,7 @@ comes before any timing. A small launch-config sweep of lik's fp8 kernel follows
 prints the tuning-table line of the fastest config.
 
     python3 benchmarks/bench_fp8.py --out DIR [--shapes a,b] [--quick] [--no-sweep]
+    python3 benchmarks/bench_fp8.py --out DIR --grid   # shapes.GRID_FP8, quick, no sweep
     python3 benchmarks/bench_fp8.py --dry-run     # CPU, tiny shapes, reference paths
 """
 
@@ -22,6 +23,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import shapes
 import torch
 from common import (
     DRY_RUN_TIMER,
@@ -48,11 +50,8 @@ from common import (
     write_results,
 )
 
-SHAPES = [
-    Shape("fp8-rerank", 1, 8192, 32, 256, 128),  # PERF.md's fp8 anchor shape
-    Shape("fp8-rerank-32k", 1, 32768, 32, 256, 128),
-]
-DEFAULT_SHAPES = ("fp8-rerank",)
+SHAPES = shapes.FP8
+DEFAULT_SHAPES = (shapes.FP8_RERANK.name,)
 PEER_DISTRIBUTIONS = {"late-interaction-kernels": "0.4.5"}
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
 TIMING_ROUNDS = 2
@@ -76,6 +75,7 @@ IMPLEMENTATIONS = {
     "lik45_bf16": ("LIK 0.4.5 bf16", "bf16", None),
 }
 HEADLINE = "lik_fp8_tensor"
+GRID_SUITE = "fp8_grid"
 BASELINES = ("lik_bf16", "lik45_fp8_tensor", "lik45_bf16")
 DRY_RUN_IMPLEMENTATIONS = ("lik_fp8_tensor", "lik_fp8_token", "lik_bf16")
 
@@ -324,14 +324,39 @@ def timing_table(report: dict) -> str:
     return markdown_table(headers, rows)
 
 
+# PERF.md's fp8 goal: at least 90% of the floor from this many docs.
+GOAL_DOCS = 8192
+
+
+def grid_summary(report: dict) -> str:
+    """The grid's worst cells: lik fp8's % of its floor from GOAL_DOCS docs, per scale
+    granularity, and its speedup over LIK's fp8 of the same scales, over every shape."""
+    lines = []
+    for granularity in SWEEP_SCALES:
+        mine, peer = f"lik_fp8_{granularity}", f"lik45_fp8_{granularity}"
+        pct = [r["results"][mine]["pct_floor"] for r in report["shapes"]
+               if r["Nd"] >= GOAL_DOCS and r["results"][mine]["pct_floor"]]  # fmt: skip
+        speedups = [x for x in (ratio(r, peer, mine) for r in report["shapes"]) if x]
+        worst = f"{min(pct):.0f}%" if pct else "—"
+        against = f"{min(speedups):.2f}x" if speedups else "—"
+        lines.append(
+            f"- {IMPLEMENTATIONS[mine][0]}: worst {worst} of its floor from "
+            f"{GOAL_DOCS} docs; worst {against} LIK 0.4.5's speed (same scales)."
+        )
+    return "\n".join(["Grid (shapes.GRID_FP8: one axis of fp8-rerank moved at a time):", *lines])
+
+
 def markdown_report(report: dict) -> str:
     env, ceilings = report["env"], report["ceilings"]
+    grid = report["suite"] == GRID_SUITE
     parts = [
-        f"# FP8 rerank on {env['gpu']}",
+        f"# FP8 rerank{' grid' if grid else ''} on {env['gpu']}",
         "",
         provenance(env),
         "",
     ]
+    if grid:
+        parts += [grid_summary(report), ""]
     if ceilings:
         parts += [f"Measured copy ceiling: {ceilings['copy_tbps']:.2f} TB/s (read + write).", ""]
     parts += [
@@ -404,6 +429,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="shorter warm-up and timing")
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep")
     parser.add_argument(
+        "--grid",
+        action="store_true",
+        help=f"the shape-class grid (shapes.GRID_FP8) into {GRID_SUITE}/: quick, no sweep",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="CPU only, tiny shapes, lik's reference paths, no peers",
@@ -413,15 +443,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    by_name = {shape.name: shape for shape in SHAPES}
-    names = [n.strip() for n in args.shapes.split(",")] if args.shapes else list(DEFAULT_SHAPES)
+    suite = GRID_SUITE if args.grid else "fp8"
+    if args.grid:
+        args.quick = args.no_sweep = True  # the grid's ~10 shapes in a few minutes
+    by_name = {shape.name: shape for shape in (shapes.GRID_FP8 if args.grid else SHAPES)}
+    default = list(by_name) if args.grid else list(DEFAULT_SHAPES)
+    names = [n.strip() for n in args.shapes.split(",")] if args.shapes else default
     unknown = [n for n in names if n not in by_name]
     if unknown:
         sys.exit(f"unknown shapes: {', '.join(unknown)}; choose from {', '.join(by_name)}")
-    shapes = [by_name[n] for n in names]
+    picked = [by_name[n] for n in names]
     if args.dry_run:
         device, ceilings = "cpu", None
-        shapes = [Shape(s.name, s.nq, 64, 8, 16, s.d) for s in shapes]
+        picked = [Shape(s.name, s.nq, 64, 8, 16, s.d) for s in picked]
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-fp8-"))
         timer = DRY_RUN_TIMER
     else:
@@ -435,10 +469,10 @@ def main(argv=None) -> int:
         ceilings = measure_ceilings(device, **timing)
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
-    stem = result_stem("fp8", env["gpu"], args.dry_run)
+    stem = result_stem(suite, env["gpu"], args.dry_run)
     keys = list(IMPLEMENTATIONS)
     report = {
-        "suite": "fp8",
+        "suite": suite,
         "env": env,
         "ceilings": ceilings,
         "timing": {"timer": timer},
@@ -451,7 +485,7 @@ def main(argv=None) -> int:
 
         report["lik_fp8_path"] = fp8_path(torch.device(device))
         print(f"lik fp8 path on this card: {report['lik_fp8_path']}", flush=True)
-    for shape in shapes:
+    for shape in picked:
         print(f"[{shape.name}] {shape.dims}", flush=True)
         # The fp8 size decides the rotation (bf16 forms, twice as large, then rotate too).
         sets = 1 if args.dry_run else rotation_count(shape.input_bytes(1))

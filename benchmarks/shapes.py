@@ -172,3 +172,25 @@ GRID_TRAIN = _each_once([
     Cell(TRAIN_KD, ("layout",), layout="kd"),
     Cell(Shape("pairs", 256, 1, 32, 300, 128), ("layout",), layout="pairs"),
 ])  # fmt: skip
+
+
+def _named(base: Shape, **dims) -> Shape:
+    """_vary for shapes outside a Cell: a changed head dim joins the name too."""
+    shape = _vary(base, **dims)
+    d = dims.get("d", base.d)
+    return shape if d == base.d else replace(shape, name=f"{shape.name}-d{d}")
+
+
+# fp8 reranks: PERF.md's anchor shape (one query against 8192 docs of 256 tokens) and 32768
+# docs; the grid moves one axis of the anchor at a time (head dim, query and doc lengths,
+# doc count, a few queries).
+FP8_RERANK = Shape("fp8-rerank", 1, 8192, 32, 256, 128)
+FP8 = [FP8_RERANK, Shape("fp8-rerank-32k", 1, 32768, 32, 256, 128)]
+GRID_FP8 = [
+    *FP8,
+    *(_named(FP8_RERANK, d=d) for d in (64, 96)),
+    *(_named(FP8_RERANK, lq=lq) for lq in (16, 64)),
+    *(_named(FP8_RERANK, ld=ld) for ld in (128, 512)),
+    _named(FP8_RERANK, nd=2048),
+    _named(FP8_RERANK, nq=8),
+]

@@ -119,6 +119,20 @@ def test_a_grid_dry_run_reports_every_cell_checked_and_why_a_peer_cannot_take_on
     assert again.read_text() == markdown
 
 
+def test_the_fp8_grid_dry_run_checks_lik_on_every_cell(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    import shapes
+
+    report, markdown = _dry_run("fp8", tmp_path, "--grid", suite="fp8_grid")
+    assert [record["name"] for record in report["shapes"]] == [s.name for s in shapes.GRID_FP8]
+    assert len(set(s.name for s in shapes.GRID_FP8)) == len(shapes.GRID_FP8)
+    for record in report["shapes"]:
+        for key in ("lik_fp8_tensor", "lik_fp8_token", "lik_bf16"):
+            assert record["results"][key]["parity_ok"], (record["name"], key)
+        assert "sweep" not in record  # the grid runs no config sweep
+    assert markdown.startswith("# FP8 rerank grid on ") and "worst" in markdown
+
+
 def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
     # Under the interpreter, tiny sizes: the same cases a GPU soak draws, scaled down.
     soak = [sys.executable, str(BENCHMARKS / "soak.py"), "--dry-run"]
