@@ -1,14 +1,17 @@
 """Top-k retrieval at corpus scale: lik's retrieve against late_interaction_kernels.retrieve.
 
 corpus-100k (Nq=16, Nd=100k, Lq=32, Ld=128, d=128, bf16): both implementations, each
-unchunked and chunked; median time and peak GPU memory above the inputs, after checking
-the top-k of sampled queries against a float64 reference.
+unchunked and chunked; median time, % of the roofline floor (the FLOPs at the measured
+matmul rate, the inputs read once at the measured copy rate) and peak GPU memory above
+the inputs, after checking the top-k of sampled queries against a float64 reference.
 corpus-1m (Nd=1M: D holds 2^31 x 8 elements, ~34 GB in bf16): lik only, since the peer
 crashes past 2^31 elements (and a crash can poison the CUDA context for what follows);
-time, peak memory, and the exact top-k of sampled queries against a float64 reference
-computed chunk by chunk.
+the same figures, the reference computed chunk by chunk. --grid runs shapes.GRID_RETRIEVE
+(doc counts 10k-1M, head dims, doc length, query count, top-10 and top-100) into
+retrieve_grid/.
 
     python3 benchmarks/bench_retrieve.py --out DIR [--cases corpus-100k] [--quick]
+    python3 benchmarks/bench_retrieve.py --out DIR --grid   # quick
     python3 benchmarks/bench_retrieve.py --dry-run     # CPU, tiny corpora, lik only
 """
 
@@ -21,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import shapes
 import torch
 from common import (
     DRY_RUN_TIMER,
@@ -31,17 +35,21 @@ from common import (
     environment_info,
     first_call_seconds,
     format_ms,
+    format_ratio,
     markdown_table,
+    measure_ceilings,
     normalized_tokens,
     peak_extra_memory_mib,
+    percent_of_roofline,
     pick,
     provenance,
     release_cached_memory,
     result_stem,
+    roofline_floor,
     write_results,
 )
 
-TOP_K = 100
+TOP_K = 100  # but in the grid's top-10 cases
 CHUNK_DOCS = 16384  # [16, 16384] fp32 scores per step: 1 MiB, far below the corpus
 # Inputs are unit-norm already (as an index stores them), so no implementation normalizes.
 NORMALIZE = False
@@ -62,32 +70,48 @@ CPU_BF16_NEAR_TIE = 2**-8
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
 
 
+# late_interaction_kernels indexes docs with 32-bit offsets: it crashes past this many doc
+# elements (and a crash can poison the CUDA context for what follows).
+PEER_MAX_DOC_ELEMENTS = 2**31
+GRID_SUITE = "retrieve_grid"
+# Goals the summary reports against (PERF.md, corpus scale): from this many docs, lik at
+# 85% or more of its floor, and chunked calls within 15% of unchunked ones.
+GOAL_DOCS = 1_000_000
+
+
 @dataclass(frozen=True)
 class Case:
     shape: Shape
-    peers: bool  # whether late_interaction_kernels runs on this corpus
+    top_k: int = TOP_K
+
+    @property
+    def name(self) -> str:
+        return self.shape.name + ("" if self.top_k == TOP_K else f"-top{self.top_k}")
+
+    @property
+    def peers(self) -> bool:
+        """Whether late_interaction_kernels runs on this corpus."""
+        return self.shape.nd * self.shape.ld * self.shape.d < PEER_MAX_DOC_ELEMENTS
 
 
-CASES = [
-    Case(Shape("corpus-100k", 16, 100_000, 32, 128, 128), peers=True),
-    Case(Shape("corpus-1m", 16, 1_000_000, 32, 128, 128), peers=False),
-]
+CASES = [Case(shape) for shape in shapes.RETRIEVE]
+GRID_CASES = [Case(shape, top_k) for shape, top_k in shapes.GRID_RETRIEVE]
 
 
 # ---------------------------------------------------------------------------------------
 # Implementations: each builder returns retrieve(Q, D) -> (scores [Nq, k], indices [Nq, k]).
 
 
-def build_lik(chunk: int | None) -> Callable:
+def build_lik(chunk: int | None, top_k: int) -> Callable:
     from lik.runtime.retrieval import retrieve
 
-    return lambda q, docs: retrieve(q, docs, TOP_K, normalize=NORMALIZE, chunk=chunk)
+    return lambda q, docs: retrieve(q, docs, top_k, normalize=NORMALIZE, chunk=chunk)
 
 
-def build_late_interaction_kernels(chunk: int | None) -> Callable:
+def build_late_interaction_kernels(chunk: int | None, top_k: int) -> Callable:
     from late_interaction_kernels import retrieve
 
-    return lambda q, docs: retrieve(q, docs, top_k=TOP_K, normalize=NORMALIZE, chunk=chunk)
+    return lambda q, docs: retrieve(q, docs, top_k=top_k, normalize=NORMALIZE, chunk=chunk)
 
 
 IMPLEMENTATIONS = {"lik": build_lik, "late_interaction_kernels": build_late_interaction_kernels}
@@ -154,6 +178,7 @@ def empty_result(key: str, chunk: int | None, error: str | None) -> dict:
         "impl": key,
         "chunk": chunk,
         "ms": None,
+        "pct_floor": None,
         "peak_mib": None,
         "first_call_s": None,
         "topk_exact": None,
@@ -174,9 +199,9 @@ def measure(fn: Callable, q, docs, args) -> dict:
     }
 
 
-def measure_run(key, chunk, q, docs, reference, queries, args) -> dict:
+def measure_run(key, chunk, top_k, q, docs, reference, queries, args) -> dict:
     result = empty_result(key, chunk, None)
-    fn, error = attempt(lambda: IMPLEMENTATIONS[key](chunk))
+    fn, error = attempt(lambda: IMPLEMENTATIONS[key](chunk, top_k))
     if error:
         return empty_result(key, chunk, error)
     first, error = attempt(lambda: first_call_seconds(lambda: fn(q, docs)))
@@ -198,15 +223,19 @@ def corpus(shape: Shape, device):
     return q, docs
 
 
-def measure_case(case: Case, keys: list[str], device, args) -> dict:
+def measure_case(case: Case, keys: list[str], device, args, ceilings=None) -> dict:
     shape = case.shape
     q, docs = corpus(shape, device)
     queries = check_queries(shape.nq, device)
     print("  float64 reference for the sampled queries ...", flush=True)
     reference = reference_scores(q.index_select(0, queries), docs)
+    # The floor: Q and D read once (the top-k written is a few KB), or the FLOPs.
+    floor = roofline_floor(shape, ceilings, shape.input_bytes())
     record = {
         **shape.as_dict(),
-        "top_k": TOP_K,
+        "name": case.name,
+        **floor,
+        "top_k": case.top_k,
         "doc_elements": docs.numel(),
         "input_mb": shape.input_bytes() / 1e6,
         "check_queries": queries.tolist(),
@@ -215,11 +244,12 @@ def measure_case(case: Case, keys: list[str], device, args) -> dict:
     chunk = min(CHUNK_DOCS, max(1, shape.nd // 4))
     for key, size in runs_for(case, keys, chunk):
         print(f"  {LABELS[key]}, chunk={size} ...", flush=True)
-        result = measure_run(key, size, q, docs, reference, queries, args)
+        result = measure_run(key, size, case.top_k, q, docs, reference, queries, args)
+        result["pct_floor"] = percent_of_roofline(floor["floor_ms"], result["ms"])
         record["results"].append(result)
         print(f"    {describe(result)}", flush=True)
         release_cached_memory()
-    if not case.peers:
+    if not case.peers and "late_interaction_kernels" in keys:
         record["skipped"] = f"{LABELS['late_interaction_kernels']}: crashes past 2^31 elements"
     del q, docs, reference
     release_cached_memory()
@@ -249,7 +279,8 @@ def check_cell(result: dict) -> str:
 
 
 def results_table(report: dict) -> str:
-    headers = ["corpus (Nq, Nd, Lq, Ld, d)", "impl", "chunk", "ms", "peak MiB", "top-k check"]
+    headers = ["corpus (Nq, Nd, Lq, Ld, d)", "top k", "impl", "chunk", "ms", "% of floor",
+               "chunked / unchunked", "peak MiB", "top-k check"]  # fmt: skip
     rows = []
     for record in report["cases"]:
         dims = f"{record['name']} {record['Nq']}, {record['Nd']}, {record['Lq']}, "
@@ -259,9 +290,12 @@ def results_table(report: dict) -> str:
             rows.append(
                 [
                     dims,
+                    record["top_k"],
                     LABELS[result["impl"]],
                     result["chunk"] or "—",
                     format_ms(result["ms"]),
+                    format_ratio(result.get("pct_floor"), "%"),
+                    format_ratio(chunked_slowdown(record, result)),
                     "—" if peak is None else f"{peak:.0f}",
                     check_cell(result),
                 ]
@@ -269,16 +303,60 @@ def results_table(report: dict) -> str:
     return markdown_table(headers, rows)
 
 
+def chunked_slowdown(record: dict, result: dict) -> float | None:
+    """A chunked run's time over the same implementation's unchunked one (None otherwise)."""
+    if not result["chunk"] or not result["ms"]:
+        return None
+    whole = [r["ms"] for r in record["results"] if r["impl"] == result["impl"] and not r["chunk"]]
+    return result["ms"] / whole[0] if whole and whole[0] else None
+
+
+def summary(report: dict) -> str:
+    """lik's worst cells: % of floor from GOAL_DOCS docs, chunked over unchunked, top-k
+    checks, and its speed against LIK's on the corpora both run."""
+    lik = [
+        (record, r) for record in report["cases"] for r in record["results"] if r["impl"] == "lik"
+    ]
+    at_scale = [r["pct_floor"] for record, r in lik
+                if record["Nd"] >= GOAL_DOCS and r["pct_floor"]]  # fmt: skip
+    slowdowns = [x for x in (chunked_slowdown(record, r) for record, r in lik) if x]
+    checked = [r["topk_ok"] for _, r in lik if r["topk_ok"] is not None]
+    speedups = []
+    for record in report["cases"]:
+        for r in record["results"]:
+            if r["impl"] == "late_interaction_kernels" and r["ms"]:
+                mine = [x["ms"] for x in record["results"]
+                        if x["impl"] == "lik" and x["chunk"] == r["chunk"] and x["ms"]]  # fmt: skip
+                speedups += [r["ms"] / mine[0]] if mine else []
+    return "\n".join([
+        f"- lik from {GOAL_DOCS:,} docs: worst "
+        f"{format_ratio(min(at_scale) if at_scale else None, '%')} of its floor.",
+        f"- lik chunked over unchunked: worst {format_ratio(max(slowdowns, default=None))}.",
+        f"- lik's top-k checks: {sum(checked)} of {len(checked)} exact or near ties only.",
+        f"- lik against {LABELS['late_interaction_kernels']} (same chunking): worst "
+        f"{format_ratio(min(speedups, default=None))}.",
+    ])  # fmt: skip
+
+
 def markdown_report(report: dict) -> str:
-    env, timing = report["env"], report["timing"]
+    env, timing, ceilings = report["env"], report["timing"], report.get("ceilings")
+    grid = report["suite"] == GRID_SUITE
+    measured = "no ceilings: no GPU"
+    if ceilings:
+        measured = (f"copy {ceilings['copy_tbps']:.2f} TB/s (read + write), bf16 matmul "
+                    f"{ceilings['matmul_tflops']:.0f} TFLOP/s")  # fmt: skip
     parts = [
-        f"# Top-k retrieval on {env['gpu']}",
+        f"# Top-k retrieval{' grid' if grid else ''} on {env['gpu']}",
         "",
         provenance(env),
         "",
-        f"top_k={TOP_K}, normalize={NORMALIZE}, L2-normalized random bf16 inputs. Median ms "
-        f"({timing['timer']}, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms); "
-        "peak = torch.cuda.max_memory_allocated during one call, above the inputs. "
+        summary(report),
+        "",
+        f"normalize={NORMALIZE}, L2-normalized random bf16 inputs. Median ms "
+        f"({timing['timer']}, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms). "
+        "Floor: the FLOPs at the bf16 matmul rate or Q and D read once at the copy rate, "
+        f"whichever is longer ({measured}). "
+        "Peak = torch.cuda.max_memory_allocated during one call, above the inputs. "
         f"Top-k check: queries {report['cases'][0]['check_queries'] if report['cases'] else []} "
         f"against float64 scores; near ties = differs only between docs within {NEAR_TIE:g} "
         f"({CPU_BF16_NEAR_TIE:g} for bf16 on lik's CPU backend).",
@@ -315,38 +393,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--impls", help="comma-separated: " + ",".join(IMPLEMENTATIONS))
     parser.add_argument("--quick", action="store_true", help="shorter warm-up and timing")
     parser.add_argument("--dry-run", action="store_true", help="CPU only, tiny corpora, lik only")
+    parser.add_argument(
+        "--grid", action="store_true", help=f"shapes.GRID_RETRIEVE into {GRID_SUITE}/, quick"
+    )
     return parser.parse_args(argv)
 
 
 def tiny(case: Case) -> Case:
     """A CPU-sized stand-in with the case's name and embedding dim."""
     shape = case.shape
-    return Case(Shape(shape.name, 2, min(shape.nd, 300), 8, 16, shape.d), peers=case.peers)
+    return Case(Shape(shape.name, 2, min(shape.nd, 300), 8, 16, shape.d), case.top_k)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    by_name = {case.shape.name: case for case in CASES}
+    suite = GRID_SUITE if args.grid else "retrieve"
+    args.quick = args.quick or args.grid  # the grid's cases in a few minutes
+    by_name = {case.name: case for case in (GRID_CASES if args.grid else CASES)}
     cases = [by_name[name] for name in pick(args.cases, list(by_name), "case")]
     keys = pick(args.impls, list(IMPLEMENTATIONS), "implementation")
     if args.dry_run:
         device, cases, keys = "cpu", [tiny(case) for case in cases], ["lik"]
         out_dir = args.out or Path(tempfile.mkdtemp(prefix="lik-retrieve-"))
-        timer, timing = DRY_RUN_TIMER, {"warmup_ms": 0, "rep_ms": 0}
+        timer, timing, ceilings = DRY_RUN_TIMER, {"warmup_ms": 0, "rep_ms": 0}, None
     else:
         if not torch.cuda.is_available():
             sys.exit("no CUDA device; --dry-run exercises this script on a CPU")
         device = "cuda"
         out_dir = args.out or Path(__file__).resolve().parent / "results"
         timer, timing = "triton do_bench", TIMING["quick" if args.quick else "full"]
+        ceilings = measure_ceilings(device, **timing)
 
     env = environment_info(["lik", "late-interaction-kernels"])
-    stem = result_stem("retrieve", env["gpu"], args.dry_run)
-    report = {"suite": "retrieve", "env": env, "timing": {"timer": timer, **timing}}
-    report.update({"top_k": TOP_K, "normalize": NORMALIZE, "cases": []})
+    stem = result_stem(suite, env["gpu"], args.dry_run)
+    report = {"suite": suite, "env": env, "timing": {"timer": timer, **timing}}
+    report.update({"ceilings": ceilings, "normalize": NORMALIZE, "cases": []})
     for case in cases:
-        print(f"[{case.shape.name}] {case.shape.dims}", flush=True)
-        report["cases"].append(measure_case(case, keys, device, args))
+        print(f"[{case.name}] {case.shape.dims}, top {case.top_k}", flush=True)
+        report["cases"].append(measure_case(case, keys, device, args, ceilings))
         write_report(report, out_dir, stem)  # after every case, so a cut-off run keeps data
 
     print()

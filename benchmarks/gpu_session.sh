@@ -13,8 +13,9 @@
 # RUN_BACKWARD / RUN_VARIANTS / RUN_FP8 / RUN_PLAID / RUN_HEAD / RUN_COLD_START / RUN_AUTOTUNE / RUN_HOST
 # / RUN_PYLATE (needs pylate: benchmarks/gpu_integrations.sh installs it and runs it)
 # (bench_<name>.py; bench_autotune takes about 8 minutes on an H200: raise EXTRA_TIMEOUT),
-# RUN_GRID (the shape-class grids, bench_<suite>.py --grid for each of GRID_SUITES,
-# "forward train" unless set ("fp8" too), with GRID_ARGS, e.g. "--axes mask,ragged"), SKIP_TESTS,
+# RUN_GRID (the shape-class grids, bench_<suite>.py --grid for each of GRID_SUITES:
+# "forward train" unless set, "fp8" and "retrieve" too; with GRID_ARGS, e.g. "--axes
+# mask,ragged"), SKIP_TESTS,
 # TEST_TIMEOUT / BENCH_TIMEOUT / TRAIN_TIMEOUT / EXTRA_TIMEOUT / GRID_TIMEOUT (seconds),
 # PEERS_DIR.
 # A failing step is logged and the next one still runs.

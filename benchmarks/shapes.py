@@ -194,3 +194,18 @@ GRID_FP8 = [
     _named(FP8_RERANK, nd=2048),
     _named(FP8_RERANK, nq=8),
 ]
+
+# Top-k retrieval over a corpus: 100k docs (both implementations) and 1M (2^31 x 8 doc
+# elements, past what late-interaction-kernels indexes). The grid moves one axis of the
+# 100k corpus at a time (doc count up to 1M, head dim, doc length, query count) and asks
+# for top-10 as well as top-100.
+CORPUS = Shape("corpus-100k", 16, 100_000, 32, 128, 128)
+RETRIEVE = [CORPUS, Shape("corpus-1m", 16, 1_000_000, 32, 128, 128)]
+# (corpus, top_k) pairs.
+GRID_RETRIEVE = [
+    *((shape, 100) for shape in (*RETRIEVE, _named(CORPUS, nd=10_000),
+                                 *(_named(CORPUS, d=d) for d in (64, 96)),
+                                 _named(CORPUS, ld=300),
+                                 *(_named(CORPUS, nq=nq) for nq in (1, 64)))),
+    *((shape, 10) for shape in RETRIEVE),
+]  # fmt: skip

@@ -133,6 +133,24 @@ def test_the_fp8_grid_dry_run_checks_lik_on_every_cell(tmp_path):
     assert markdown.startswith("# FP8 rerank grid on ") and "worst" in markdown
 
 
+def test_the_retrieve_grid_dry_run_checks_lik_on_every_case(tmp_path):
+    report, markdown = _dry_run("retrieve", tmp_path, "--grid", suite="retrieve_grid")
+    sys.path.insert(0, str(BENCHMARKS))
+    import bench_retrieve
+
+    names = [case.name for case in bench_retrieve.GRID_CASES]
+    assert [record["name"] for record in report["cases"]] == names and len(set(names)) == len(names)
+    assert {record["top_k"] for record in report["cases"]} == {10, 100}
+    for record in report["cases"]:
+        chunks = [r["chunk"] for r in record["results"] if r["impl"] == "lik"]
+        assert len(chunks) == 2 and None in chunks  # chunked and unchunked
+        assert all(r["topk_ok"] for r in record["results"]), record["name"]
+    # Which corpora the peer can index: below 2^31 doc elements.
+    peers = {case.name: case.peers for case in bench_retrieve.GRID_CASES}
+    assert peers["corpus-100k"] and not peers["corpus-1m"] and not peers["corpus-100k-ld300"]
+    assert "chunked over unchunked: worst" in markdown and "| top k |" in markdown
+
+
 def test_the_soak_checks_the_kernels_against_the_reference(tmp_path):
     # Under the interpreter, tiny sizes: the same cases a GPU soak draws, scaled down.
     soak = [sys.executable, str(BENCHMARKS / "soak.py"), "--dry-run"]
