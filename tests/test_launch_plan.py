@@ -274,6 +274,26 @@ def _prefix_mask(rows, length, seed):
     return torch.arange(length, device="cuda") < lengths[:, None]
 
 
+def _matches_the_reference(scores, ref, leaves, ref_leaves, training):
+    """scores, and when training the gradients of a random weighting of them, against the
+    float64 reference's."""
+    assert relative_error(scores, ref) < TOLERANCE[torch.bfloat16]
+    if training:
+        weights = torch.randn_like(ref)
+        grads = torch.autograd.grad((scores * weights.float()).sum(), leaves)
+        expected = torch.autograd.grad((ref * weights).sum(), ref_leaves)
+        for got, want in zip(grads, expected, strict=True):
+            assert relative_error(got, want) < TOLERANCE[torch.bfloat16]
+
+
+def _every_launcher_replays() -> dict:
+    """Asserts that every launcher recorded a replayable plan; returns the call plans by
+    their kind (a call key's first flag)."""
+    plans = [plan for plan, _ in launch_plan._plans.values()]
+    assert plans and all(plan is not None for plan in plans), "every launcher replays"
+    return {key[0]: entry for key, entry in launch_plan._calls.items()}
+
+
 CALLS = {  # name -> (D shape, masked): in-batch, kd, split long docs (zeroed counters)
     "inbatch": ((9, 67, 96), False),
     "inbatch-masked": ((9, 67, 96), True),
@@ -304,17 +324,9 @@ def test_replayed_plans_score_and_train_as_the_reference(name, training):
         Qr = Q.detach().double().requires_grad_(training)
         Dr = D.detach().double().requires_grad_(training)
         ref = maxsim_reference(Qr, Dr, d_mask=d_mask)
-        assert relative_error(scores, ref) < TOLERANCE[torch.bfloat16]
-        if training:
-            weights = torch.randn_like(ref)
-            gq, gd = torch.autograd.grad((scores * weights.float()).sum(), (Q, D))
-            rq, rd = torch.autograd.grad((ref * weights).sum(), (Qr, Dr))
-            assert relative_error(gq, rq) < TOLERANCE[torch.bfloat16]
-            assert relative_error(gd, rd) < TOLERANCE[torch.bfloat16]
-    plans = [plan for plan, _ in launch_plan._plans.values()]
-    assert plans and all(plan is not None for plan in plans), "every launcher replays"
+        _matches_the_reference(scores, ref, (Q, D), (Qr, Dr), training)
+    calls = _every_launcher_replays()
     # Calls of one launch (all but split long docs' forward) replay from their own tensors.
-    calls = {key[0]: entry for key, entry in launch_plan._calls.items()}
     if name != "split-long-docs":
         assert calls.get("forward"), "the forward replays as a call plan"
     if training:
@@ -367,16 +379,8 @@ def test_replayed_ragged_calls_score_and_train_as_the_reference(name, training):
         Dr = D.detach().double().requires_grad_(training)
         ref = score_pairs_packed_reference(Qr, Dr, cu_seqlens_q=cu_q, cu_seqlens_d=cu_d,
                                            layout=layout, normalize=normalize, **pairs)  # fmt: skip
-        assert relative_error(scores, ref) < TOLERANCE[torch.bfloat16]
-        if training:
-            weights = torch.randn_like(ref)
-            gq, gd = torch.autograd.grad((scores * weights.float()).sum(), (Q, D))
-            rq, rd = torch.autograd.grad((ref * weights).sum(), (Qr, Dr))
-            assert relative_error(gq, rq) < TOLERANCE[torch.bfloat16]
-            assert relative_error(gd, rd) < TOLERANCE[torch.bfloat16]
-    plans = [plan for plan, _ in launch_plan._plans.values()]
-    assert plans and all(plan is not None for plan in plans), "every launcher replays"
-    calls = {key[0]: entry for key, entry in launch_plan._calls.items()}
+        _matches_the_reference(scores, ref, (Q, D), (Qr, Dr), training)
+    calls = _every_launcher_replays()
     assert calls.get("forward_ragged"), "the forward replays as a call plan"
     if training:
         assert calls.get("backward_ragged"), "the backward replays as a call plan"
