@@ -77,3 +77,26 @@ def test_every_row_runs_on_the_cpu(monkeypatch):
         forward()
         if training is not None:
             training()
+
+
+def test_the_report_gives_lik_above_the_lower_of_the_two_floor_measurements(monkeypatch):
+    floor = bench_host.FLOOR
+    plain = "two plain torch ops (a product, its sum)"
+    report = {
+        "gpu": "a GPU", "env": {}, "shape": {"Nq": 8}, "calls": 50, "rounds": 5,
+        "core": {"maxsim in-batch": {"lik": {"forward": 15.0, "step": 170.0},
+                                     "LIK 0.4.5": {"forward": 24.0, "step": 250.0}},
+                 "maxsim kd": {"lik": {"forward": "error: x", "step": None}}},
+        "other": {},
+        "floors_first": {floor: {"forward": 6.0, "step": 90.0},
+                         plain: {"forward": 11.0, "step": 150.0}},
+        "floors": {floor: {"forward": 5.0, "step": 100.0},
+                   plain: {"forward": 12.0, "step": 160.0}},
+    }  # fmt: skip
+    rows = bench_host.above_floor(report)
+    assert rows == [["maxsim in-batch", "10.0", "3.00x", "80.0", "1.89x"],
+                    ["maxsim kd", "-", "-", "-", "-"]]  # fmt: skip
+    monkeypatch.setattr(bench_host, "provenance", lambda env: "provenance")
+    text = bench_host.markdown(report)
+    assert f"| {floor} | 6.0 | 5.0 | 90.0 | 100.0 |" in text
+    assert "| maxsim in-batch | 10.0 | 3.00x | 80.0 | 1.89x |" in text
