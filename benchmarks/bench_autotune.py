@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from common import (  # noqa: E402
     environment_info,
     gpu_name,
@@ -37,21 +38,9 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# (name, layout, Nq, Nd, Lq, Ld): calls whose forward keys have no committed entry.
-SHAPES = [
-    ("1 x 10000 docs, Ld 300", "dense", 1, 10000, 32, 300),
-    ("4 x 1000, Ld 300", "dense", 4, 1000, 32, 300),
-    ("4 x 300, Lq 64, Ld 200", "dense", 4, 300, 64, 200),
-    ("KD 16 x 32 docs, Ld 300", "kd", 16, 32, 32, 300),
-]
+SHAPES = shapes.AUTOTUNE
 WAYS = {"one after another": 0, "side by side": None}  # COMPILE_THREADS (None: as shipped)
-# (name, layout, Nq, Nd or docs per query (kd), Lq, Ld): training steps without entries.
-TRAIN_SHAPES = [
-    ("in-batch 32 x 32, Ld 300", "dense", 32, 32, 32, 300),
-    ("in-batch 64 x 64, Lq 64, Ld 200", "dense", 64, 64, 64, 200),
-    ("colpali 8 x 8, Lq 128, Ld 1024", "dense", 8, 8, 128, 1024),
-    ("KD 16 x 16 docs, Ld 300", "kd", 16, 16, 32, 300),
-]
+TRAIN_SHAPES = shapes.AUTOTUNE_TRAIN
 
 CHILD = r"""
 import json, sys, time

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from bench_ragged import packed_tokens, random_lengths  # noqa: E402
 from bench_train import (  # noqa: E402
     GRADIENT_TOLERANCE,
@@ -45,31 +46,8 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# (name, Nq, Nd, Lq, Ld) of in-batch steps, d 128: squares, then by docs per query.
-SHAPES = [
-    ("4 x 4", 4, 4, 32, 300),
-    ("16 x 16", 16, 16, 32, 300),
-    ("31 x 31", 31, 31, 32, 300),
-    ("16 x 16, Lq 64", 16, 16, 64, 200),
-    ("8 x 8, colpali", 8, 8, 128, 1024),
-    ("64 x 64", 64, 64, 32, 300),
-    ("256 x 2", 256, 2, 32, 300),
-    ("256 x 8", 256, 8, 32, 300),
-    ("256 x 16", 256, 16, 32, 300),
-    ("16 x 1000", 16, 1000, 32, 300),
-    ("8 x 1000", 8, 1000, 32, 300),
-    ("1 x 250", 1, 250, 32, 300),
-    ("1 x 1000", 1, 1000, 32, 300),
-]
-# (name, Nq, Nd, (shortest, longest) query, (shortest, longest) doc) of ragged steps, d 128.
-RAGGED_SHAPES = [
-    ("varlen 16 x 16", 16, 16, (16, 32), (50, 300)),
-    ("varlen 32 x 32", 32, 32, (16, 32), (50, 300)),
-    ("varlen 64 x 64", 64, 64, (16, 32), (50, 300)),
-    ("varlen 128 x 128", 128, 128, (16, 32), (50, 300)),
-    ("varlen 256 x 8", 256, 8, (16, 32), (50, 300)),
-    ("varlen 1 x 1000", 1, 1000, (16, 32), (50, 300)),
-]
+SHAPES = shapes.BACKWARD
+RAGGED_SHAPES = shapes.BACKWARD_RAGGED
 STRATEGIES = ("unified", "lowmem")
 DIM = 128
 # A dry run (CPU, tiny shapes) exercises the script and its report, not the kernels: lik's

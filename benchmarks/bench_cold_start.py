@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from common import (  # noqa: E402
     DRY_RUN_TIMER,
     environment_info,
@@ -51,11 +52,7 @@ from common import (  # noqa: E402
 )
 
 # (name, Nq, Nd, Lq, Ld, d, training): a rerank, an in-batch forward and a training step.
-SHAPES = [
-    ("colbert-rerank", 1, 1000, 32, 300, 128, False),
-    ("inbatch-256", 256, 256, 32, 300, 128, False),
-    ("train-inbatch-64", 64, 64, 32, 300, 128, True),
-]
+SHAPES = [(s.name, s.nq, s.nd, s.lq, s.ld, s.d, train) for s, train in shapes.COLD_START]
 TARGET_MS = 50.0
 # A dry run: the same plumbing through lik's CPU reference path, one warm child per mode by
 # default. A child takes ~2 s of start-up on the CPU, so it runs one shape, named for the
@@ -171,10 +168,10 @@ def run(repeats: int, dry_run: bool = False) -> dict:
     report = {"env": environment_info(), "gpu": gpu_name(), "target_ms": TARGET_MS,
               "dry_run": dry_run, "timer": timer,
               "parity_tolerance": PARITY_TOLERANCE}  # fmt: skip
-    device, shapes = ("cpu", DRY_RUN_SHAPES) if dry_run else ("cuda", SHAPES)
+    device, picked = ("cpu", DRY_RUN_SHAPES) if dry_run else ("cuda", SHAPES)
     with tempfile.TemporaryDirectory() as bytecode:  # shared by every child: the first fills it
         report["shapes"] = [measure_shape(name, dims, repeats, bytecode, device)
-                            for name, *dims in shapes]  # fmt: skip
+                            for name, *dims in picked]  # fmt: skip
     return report
 
 

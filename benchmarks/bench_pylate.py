@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from common import (  # noqa: E402
     DRY_RUN_TIMER,
     attempt,
@@ -51,12 +52,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# (name, PyLate function, Nq, Nd or K per query, Lq, Ld, d, training)
-SHAPES = [
-    ("rerank", "colbert_scores", 1, 4000, 32, 300, 128, False),
-    ("inbatch-train", "colbert_scores", 32, 32, 32, 300, 128, True),
-    ("kd-train", "colbert_kd_scores", 32, 16, 32, 300, 128, True),
-]
+SHAPES = shapes.PYLATE
 # The implementations, in table order; "lik" and "lik-copies" are lik's.
 IMPLEMENTATIONS = ("lik", "lik-copies", "pylate-torch", "pylate-flash", "pylate-LIK")
 PYLATE_BACKEND = {"pylate-torch": "torch", "pylate-flash": "flash", "pylate-LIK": "lik"}

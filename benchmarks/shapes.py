@@ -24,6 +24,13 @@ FORWARD = [
 # the default config (4 queries stacked) ran 14% slower than on its tuned one (H200, 0.112
 # against 0.096 ms, commit 64e95e3; through lik.maxsim 0.115 -> 0.098 ms on an H100 and
 # 0.113 -> 0.096 on an H200: commit a25e1d4).
+_FORWARD = {shape.name: shape for shape in FORWARD}
+# Cold start (bench_cold_start): (shape, whether its first call is a training step).
+COLD_START = [
+    (_FORWARD["colbert-rerank"], False),
+    (_FORWARD["inbatch-256"], False),
+    (Shape("train-inbatch-64", 64, 64, 32, 300, 128), True),
+]
 TUNED_ONLY = [
     Shape("train-colpali-32", 32, 32, 128, 1024, 128),
     Shape("rerank-8q", 8, 2000, 32, 300, 128),
@@ -209,3 +216,54 @@ GRID_RETRIEVE = [
                                  *(_named(CORPUS, nq=nq) for nq in (1, 64)))),
     *((shape, 10) for shape in RETRIEVE),
 ]  # fmt: skip
+
+# Autotune (bench_autotune): (name, layout, Nq, Nd, Lq, Ld) of calls whose forward keys
+# have no committed entry.
+AUTOTUNE = [
+    ("1 x 10000 docs, Ld 300", "dense", 1, 10000, 32, 300),
+    ("4 x 1000, Ld 300", "dense", 4, 1000, 32, 300),
+    ("4 x 300, Lq 64, Ld 200", "dense", 4, 300, 64, 200),
+    ("KD 16 x 32 docs, Ld 300", "kd", 16, 32, 32, 300),
+]
+
+# Autotune: (name, layout, Nq, Nd or docs per query (kd), Lq, Ld) of training steps without entries.
+AUTOTUNE_TRAIN = [
+    ("in-batch 32 x 32, Ld 300", "dense", 32, 32, 32, 300),
+    ("in-batch 64 x 64, Lq 64, Ld 200", "dense", 64, 64, 64, 200),
+    ("colpali 8 x 8, Lq 128, Ld 1024", "dense", 8, 8, 128, 1024),
+    ("KD 16 x 16 docs, Ld 300", "kd", 16, 16, 32, 300),
+]
+
+# Backward strategies (bench_backward): (name, Nq, Nd, Lq, Ld) of in-batch steps, d 128:
+# squares, then by docs per query.
+BACKWARD = [
+    ("4 x 4", 4, 4, 32, 300),
+    ("16 x 16", 16, 16, 32, 300),
+    ("31 x 31", 31, 31, 32, 300),
+    ("16 x 16, Lq 64", 16, 16, 64, 200),
+    ("8 x 8, colpali", 8, 8, 128, 1024),
+    ("64 x 64", 64, 64, 32, 300),
+    ("256 x 2", 256, 2, 32, 300),
+    ("256 x 8", 256, 8, 32, 300),
+    ("256 x 16", 256, 16, 32, 300),
+    ("16 x 1000", 16, 1000, 32, 300),
+    ("8 x 1000", 8, 1000, 32, 300),
+    ("1 x 250", 1, 250, 32, 300),
+    ("1 x 1000", 1, 1000, 32, 300),
+]
+# (name, Nq, Nd, (shortest, longest) query, (shortest, longest) doc) of ragged steps, d 128.
+BACKWARD_RAGGED = [
+    ("varlen 16 x 16", 16, 16, (16, 32), (50, 300)),
+    ("varlen 32 x 32", 32, 32, (16, 32), (50, 300)),
+    ("varlen 64 x 64", 64, 64, (16, 32), (50, 300)),
+    ("varlen 128 x 128", 128, 128, (16, 32), (50, 300)),
+    ("varlen 256 x 8", 256, 8, (16, 32), (50, 300)),
+    ("varlen 1 x 1000", 1, 1000, (16, 32), (50, 300)),
+]
+
+# Through PyLate (bench_pylate): (name, PyLate function, Nq, Nd or K per query, Lq, Ld, d, training)
+PYLATE = [
+    ("rerank", "colbert_scores", 1, 4000, 32, 300, 128, False),
+    ("inbatch-train", "colbert_scores", 32, 32, 32, 300, 128, True),
+    ("kd-train", "colbert_kd_scores", 32, 16, 32, 300, 128, True),
+]
