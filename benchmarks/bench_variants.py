@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
 from common import (  # noqa: E402
     DRY_RUN_TIMER,
     attempt,
@@ -36,8 +37,7 @@ from common import (  # noqa: E402
     write_results,
 )
 
-# (name, Nq, Nd, Lq, Ld, d): a ColBERT in-batch step and a ColPali-sized one.
-SHAPES = [("inbatch-128", 128, 128, 32, 300, 128), ("colpali-32", 32, 32, 128, 1024, 128)]
+SHAPES = shapes.VARIANTS
 TIMING = {"full": {"warmup_ms": 100, "rep_ms": 500}, "quick": {"warmup_ms": 25, "rep_ms": 100}}
 SCORES = {"weighted": {}, "smooth": {"tau": 0.1}, "topk_mean": {"k": 4}}
 TOLERANCE = 2e-2  # bf16 inputs against float64

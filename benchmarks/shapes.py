@@ -267,3 +267,10 @@ PYLATE = [
     ("inbatch-train", "colbert_scores", 32, 32, 32, 300, 128, True),
     ("kd-train", "colbert_kd_scores", 32, 16, 32, 300, 128, True),
 ]
+
+# Token scores (bench_variants): (name, Nq, Nd, Lq, Ld, d) of a ColBERT in-batch step and
+# the training suite's ColPali-sized one.
+VARIANTS = [
+    ("inbatch-128", 128, 128, 32, 300, 128),
+    next(row[:6] for row in TRAIN if row[0] == "colpali-32"),
+]
