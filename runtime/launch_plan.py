@@ -7,8 +7,9 @@ outputs and scratch buffers, and launches its kernels. All of it but the tensors
 addresses depends only on that signature, and on a small call it costs more host time
 than the kernels take on the GPU. So the first call of each signature runs the launcher
 under a Recording, which logs, in order:
-- every call of a `recorded` helper (workspace.empty and zeros, zeroed_counters,
-  kernel_lib.valid_tokens): its function, its arguments and the tensor it made;
+- every call of a `recorded` helper (workspace.empty and zeros, zeroed_counters, the
+  casts and views workspace.converted, reshaped and head_rows, kernel_lib.valid_tokens):
+  its function, its arguments and the tensor it made;
 - every kernel launch (launch_cache): the compiled kernel's launch and its arguments.
 Tensors in the log are named by slot: the launcher's tensor arguments first, then what
 the helpers made. Later calls of the signature replay the log: the helpers run again on
@@ -294,10 +295,11 @@ def clear() -> None:
     _calls.clear()
 
 
-# Calls that made one replayable launch (dispatch's forward and backward of the padded
-# layouts): each call signature's (Plan, the call tensor that fills each of the
-# launcher's slots, device index), so that a repeat replays the plan without looking up
-# its variant, config and launcher signature again. False: a signature that does not.
+# Calls that made one replayable launch (dispatch.replayed_call's: the padded and ragged
+# forwards and backwards, the residual varlen forward): each call signature's (Plan, the
+# call tensor that fills each of the launcher's slots, device index), so that a repeat
+# replays the plan without looking up its variant, config and launcher signature again.
+# False: a signature that does not.
 _calls: dict[tuple, tuple | bool] = {}
 
 

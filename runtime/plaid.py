@@ -396,34 +396,20 @@ def _forward_varlen(Q, codes, residuals, cu_d, centroids, bucket_weights, nbits)
         return out
     name = _variant("varlen", centroids, nbits)
     module = registry.load(name)
-    chunks = _query_chunks(module, Q)
-    if len(chunks) == 1:
-        with dispatch.capturing(key, call):
-            _launch(name, module, whole, Q.shape[1], out, whole, codes, residuals, centroids,
-                    bucket_weights, cu_q, cu_d, max_seqlen_q=Q.shape[1])  # fmt: skip
-        return out
-    for start, stop in chunks:
-        lq = stop - start
-        packed = Q[:, start:stop].reshape(Nq * lq, Q.shape[2])
-        cu_q = ragged.uniform_offsets(Nq, lq, Q.device)
-        target = out if start == 0 else torch.empty_like(out)
-        _launch(
-            name,
-            module,
-            packed,
-            lq,
-            target,
-            packed,
-            codes,
-            residuals,
-            centroids,
-            bucket_weights,
-            cu_q,
-            cu_d,
-            max_seqlen_q=lq,
-        )
-        if start > 0:
-            out += target
+    # remember_call keeps a call of one launch (the whole batch) for replay, not chunks.
+    with dispatch.capturing(key, call):
+        for start, stop in _query_chunks(module, Q):
+            lq = stop - start
+            if lq == Q.shape[1]:  # the whole batch: the call's own tensors, as a replay takes
+                packed, offsets = whole, cu_q
+            else:
+                packed = Q[:, start:stop].reshape(Nq * lq, Q.shape[2])
+                offsets = ragged.uniform_offsets(Nq, lq, Q.device)
+            target = out if start == 0 else torch.empty_like(out)
+            _launch(name, module, packed, lq, target, packed, codes, residuals, centroids,
+                    bucket_weights, offsets, cu_d, max_seqlen_q=lq)  # fmt: skip
+            if start > 0:
+                out += target
     return out
 
 
