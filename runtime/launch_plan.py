@@ -249,22 +249,30 @@ PLAN_CACHE_SIZE = 4096
 NOT_PLANNED = object()  # lookup's answer for a signature not recorded yet
 
 
+def tensor_key(t: _Tensor | None):
+    """What a launch's work depends on of one tensor: shape, strides, dtype, device and
+    16-byte alignment, which Triton specializes on; None for an absent tensor."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
+
+
 def signature(launch: Callable, config, args: tuple, kwargs: dict):
     """(key, tensors) of a launcher call: the key holds everything the launcher's work
-    depends on (each tensor's shape, strides, dtype, device and 16-byte alignment, which
-    Triton specializes on; every other argument by value), tensors the call's tensor
-    arguments in slot order (None for the others). (None, None) off CUDA or where an
-    argument is of a type the key cannot hold."""
+    depends on (each tensor's tensor_key, every other argument by value), tensors the
+    call's tensor arguments in slot order (None for the others). (None, None) off CUDA or
+    where an argument is of a type the key cannot hold."""
     key = [launch, config, *kwargs]
     tensors = []
     device = None
     for value in (*args, *kwargs.values()):
         if isinstance(value, _Tensor):
-            index = value.get_device()
+            entry = tensor_key(value)
+            index = entry[3]
             if index < 0 or (device is not None and index != device):
                 return None, None
             device = index
-            key.append((value.shape, value.stride(), value.dtype, value.data_ptr() & 15 == 0))
+            key.append(entry)
             tensors.append(value)
         elif isinstance(value, CONSTANT_TYPES):
             key.append(value)
@@ -301,14 +309,6 @@ def clear() -> None:
 # replays the plan without looking up its variant, config and launcher signature again.
 # False: a signature that does not.
 _calls: dict[tuple, tuple | bool] = {}
-
-
-def tensor_key(t: _Tensor | None):
-    """What a launch's work depends on of one tensor: shape, strides, dtype, device and
-    16-byte alignment (as signature's key holds them); None for an absent tensor."""
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0)
 
 
 def call_plan(key: tuple):
