@@ -2,7 +2,8 @@
 
     maxsim_varlen       every query against every doc            -> [Nq, Nd]
     score_pairs_packed  an arbitrary list of (query, doc) pairs    -> [P]
-    pack_padded / maxsim_padded  padded rerank batches [B, C] on top of them
+    pack_padded         a padded rerank batch [B, C], packed for score_pairs_packed
+    maxsim_padded       a padded rerank batch [B, C], scored as maxsim with length masks
 
 Offsets (`cu_seqlens_*`) are int32 [N + 1], starting at 0, non-decreasing, ending at the
 packed length. `max_seqlen_q` sizes the query tile of the kernel and `max_seqlen_d` is
@@ -24,7 +25,7 @@ import functools
 
 import torch
 
-from lik.runtime import backends, dispatch, heuristics, norm_warning, ops, validate, workspace
+from lik.runtime import backends, dispatch, norm_warning, ops, validate, workspace
 from lik.runtime.api import choose_backward, maxsim
 from lik.runtime.keys import LQ_CHUNK, SUPPORTED_DTYPES
 from lik.runtime.reference import score_pairs_packed_reference
@@ -393,25 +394,14 @@ def maxsim_padded(
 ) -> torch.Tensor:
     """Scores each query's C candidates -> [B, C] fp32, ignoring padding past the lengths.
     Lengths are clamped into [0, padded axis] without a host sync (pack_padded with
-    validate=True refuses them instead). Queries padded past what one packed launch
-    scores whole (LQ_CHUNK tokens, fewer where shared memory is short) are scored as
-    maxsim's KD layout with length masks instead, which splits them into chunks: the
-    same scores."""
+    validate=True refuses them instead). Scored as maxsim's KD layout with length masks,
+    whose docs stop at their last valid token: packing them first selects a
+    data-dependent number of tokens, which waits on the GPU, and copies them."""
     queries, documents, q_len, d_len = _padded_inputs(queries, documents, query_lengths,
                                                       doc_lengths)  # fmt: skip
     (B, Lq, _), (C, Ld) = queries.shape, documents.shape[1:3]
     if B * C == 0:
         return torch.zeros(B, C, dtype=torch.float32, device=queries.device)
-    # Compiled graphs take the mask path too: packing has data-dependent sizes.
-    if torch.compiler.is_compiling() or Lq > heuristics.layout_query_chunk("packed_pairs", queries):
-        q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
-        d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
-        return maxsim(queries, documents, q_mask, d_mask)
-    batch = _pack(queries, documents, q_len, d_len)
-    scores = score_pairs_packed(
-        batch.Q_packed, batch.D_packed, batch.cu_seqlens_q, batch.cu_seqlens_d,
-        batch.pair_q_idx, batch.pair_d_idx,
-        max_seqlen_q=batch.max_seqlen_q,
-        max_seqlen_d=batch.max_seqlen_d,
-    )  # fmt: skip
-    return scores.view(B, C)
+    q_mask = torch.arange(Lq, device=queries.device) < q_len[:, None]
+    d_mask = torch.arange(Ld, device=queries.device) < d_len[..., None]
+    return maxsim(queries, documents, q_mask, d_mask)

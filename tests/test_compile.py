@@ -75,7 +75,7 @@ def entries(device: str = "cpu") -> dict:
             (QP, DP), (0, 1),
         ),
         "maxsim_padded": (lambda q, d: rt.maxsim_padded(q, d, q_len, d_len),
-                          (Q, D[:2].unsqueeze(0).repeat(2, 1, 1, 1)), ()),
+                          (Q, D[:2].unsqueeze(0).repeat(2, 1, 1, 1)), (0, 1)),
         "retrieve": (lambda q, d: rt.retrieve(q, d, 2), (Q, D), ()),
         "MaxSimScorer": (lambda q, d: rt.MaxSimScorer()(q, d, q_mask, d_mask), (Q, D), (0, 1)),
         "maxsim_weighted": (lambda q, d, w: rt.maxsim_weighted(q, d, w, q_mask, d_mask),

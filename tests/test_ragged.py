@@ -341,10 +341,27 @@ def test_pack_padded_and_maxsim_padded_match_masked_pairs():
     assert scores[0, 1] == 0
 
 
+def test_maxsim_padded_trains_as_the_masked_reference():
+    queries, documents, q_len, d_len, _ = _padded_batch(14, [7, 4])
+    q, d = queries.clone().requires_grad_(), documents.clone().requires_grad_()
+    weights = torch.rand(2, 3, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    (maxsim_padded(q, d, q_len, d_len) * weights).sum().backward()
+    q64, d64 = queries.double().requires_grad_(), documents.double().requires_grad_()
+    q_mask = torch.arange(7, device=DEVICE) < q_len[:, None]
+    d_mask = torch.arange(9, device=DEVICE) < d_len[..., None]
+    ref = torch.stack([maxsim_pairs_reference(q64, d64[:, c], q_mask, d_mask[:, c])
+                       for c in range(3)], dim=1)  # fmt: skip
+    (ref * weights.double()).sum().backward()
+    assert relative_error(q.grad, q64.grad) < 1e-5
+    assert relative_error(d.grad, d64.grad) < 1e-5
+    assert d.grad[0, 1].abs().max() == 0  # the empty doc takes no gradient
+
+
 @pytest.mark.parametrize("fitting", [LQ_CHUNK, 16])
-def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, fitting):
-    # Past what one packed launch holds (forced to 16 tokens here), the padded batch is
-    # scored as maxsim's KD layout with length masks: the same scores, chunked.
+def test_maxsim_padded_scores_through_maxsim_with_length_masks(monkeypatch, fitting):
+    # Always maxsim's KD layout with length masks, never a packing (which would wait on
+    # the GPU), queries longer than one launch's query tile (forced to 16 tokens here)
+    # included: maxsim scores those in chunks.
     monkeypatch.setattr(heuristics, "query_chunk", lambda module, Q: fitting)
     taken = []
     for path in ("maxsim", "score_pairs_packed"):
@@ -355,9 +372,7 @@ def test_maxsim_padded_scores_queries_longer_than_a_packed_launch(monkeypatch, f
     scores = maxsim_padded(queries, documents, q_len, d_len)
     assert scores.shape == (2, 3) and relative_error(scores, expected) < 1e-5
     assert scores[0, 1] == 0
-    kernels = backends.device_backend(queries.device) in backends.GENERATED_TRITON
-    long_queries = kernels and fitting < 20
-    assert taken == ["maxsim" if long_queries else "score_pairs_packed"]
+    assert taken == ["maxsim"]
 
 
 @pytest.mark.parametrize(
