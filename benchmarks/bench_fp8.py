@@ -1,10 +1,11 @@
 """FP8 (e4m3) rerank: lik's fp8 kernel against lik bf16 and late-interaction-kernels 0.4.5
 (its `maxsim_inference_fp8` and its bf16 `maxsim`), all timed in one run on one card.
 
-The rerank is memory bound (one query against many docs), so each implementation is
-reported against its own bandwidth floor, measured with the same run's copy ceiling:
-fp8 bytes = fp8 docs + fp8 query + their scales + fp32 scores; bf16 bytes = bf16 docs +
-bf16 query + scores. Parity against the float64 reference of the (dequantized) inputs
+Each implementation is reported against its own floor, from the same run's measured
+ceilings: the longer of its bytes at the copy rate (fp8 bytes = fp8 docs + fp8 query +
+their scales + fp32 scores; bf16 bytes = bf16 docs + bf16 query + scores) and its FLOPs
+at its dtype's matmul rate (a rerank of one query is memory bound; eight queries against
+the same docs are not). Parity against the float64 reference of the (dequantized) inputs
 comes before any timing. A small launch-config sweep of lik's fp8 kernel follows, and
 prints the tuning-table line of the fastest config.
 
@@ -27,6 +28,7 @@ import shapes
 import torch
 from common import (
     DRY_RUN_TIMER,
+    MATMUL_CEILING_N,
     Shape,
     attempt,
     bench_ms,
@@ -125,6 +127,39 @@ def _call_fp8(fn, fp8_inputs):
     return fn(q8, d8, scale_Q=scale_q, scale_D=scale_d)
 
 
+def fp8_matmul_tflops(device, *, warmup_ms: int, rep_ms: int) -> float | None:
+    """e4m3 tensor-core rate of an 8192^3 scaled matmul (fp32 scales, bf16 out); None
+    where this PyTorch or card has no fp8 matmul (the floor then counts bytes only)."""
+    n = MATMUL_CEILING_N
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as asked
+    one = torch.ones((), device=device)
+    matmul = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    _, error = attempt(matmul)
+    if error:
+        print(f"  no fp8 matmul rate: {error}", flush=True)
+        return None
+    return 2 * n**3 / (bench_ms(matmul, warmup_ms=warmup_ms, rep_ms=rep_ms) * 1e-3) / 1e12
+
+
+def fp8_ceilings(device, *, warmup_ms: int, rep_ms: int) -> dict:
+    """The copy and bf16 matmul ceilings (common.measure_ceilings) and the fp8 matmul rate."""
+    ceilings = measure_ceilings(device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    ceilings["fp8_matmul_tflops"] = fp8_matmul_tflops(device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    torch.cuda.empty_cache()
+    return ceilings
+
+
+def floor_ms(shape: Shape, storage: str, granularity: str | None, ceilings: dict) -> dict:
+    """An implementation's floor: its bytes (floor_bytes) at the copy rate or its FLOPs at
+    its dtype's matmul rate, whichever is longer, and which one binds."""
+    memory_ms = floor_bytes(shape, storage, granularity) / (ceilings["copy_tbps"] * 1e12) * 1e3
+    rate = ceilings["matmul_tflops"] if storage == "bf16" else ceilings.get("fp8_matmul_tflops")
+    compute_ms = shape.flops / (rate * 1e12) * 1e3 if rate else 0.0
+    bound = "compute" if compute_ms > memory_ms else "memory"
+    return {"floor_ms": max(memory_ms, compute_ms), "bound": bound}
+
+
 def floor_bytes(shape: Shape, storage: str, granularity: str | None) -> int:
     """Bytes an implementation must move at least: inputs read once, scores written."""
     tokens = shape.nq * shape.lq + shape.nd * shape.ld
@@ -215,10 +250,10 @@ def measure(key, shape, input_sets, refs, docs, ceilings, args) -> dict:
         result["ms"] = min(result["ms_rounds"], default=None)
         result["clean_l2_ms"] = min(result["clean_l2_ms_rounds"], default=None)
     if ceilings and result["ms"]:
-        floor_ms = floor_bytes(shape, storage, granularity) / (ceilings["copy_tbps"] * 1e12) * 1e3
-        result["floor_ms"] = floor_ms
-        result["pct_floor"] = percent_of_roofline(floor_ms, result["ms"])
-        result["pct_floor_clean_l2"] = percent_of_roofline(floor_ms, result["clean_l2_ms"])
+        floor = floor_ms(shape, storage, granularity, ceilings)
+        result["floor_ms"], result["bound"] = floor["floor_ms"], floor["bound"]
+        result["pct_floor"] = percent_of_roofline(floor["floor_ms"], result["ms"])
+        result["pct_floor_clean_l2"] = percent_of_roofline(floor["floor_ms"], result["clean_l2_ms"])
     return result
 
 
@@ -309,14 +344,15 @@ def timing_table(report: dict) -> str:
                 else (f"{result['parity_rel_err']:.1e}" + ("" if result["parity_ok"] else " FAIL"))
             )
             speed = "—" if key == HEADLINE else format_ratio(ratio(record, key))
+            bound = "*" if result.get("bound") == "compute" else ""
             rows.append(
                 [
                     f"{record['name']} {record['dims']}",
                     IMPLEMENTATIONS[key][0],
                     format_ms(result["ms"]),
-                    format_ratio(result["pct_floor"], "%"),
+                    format_ratio(result["pct_floor"], "%") + bound,
                     format_ms(result.get("clean_l2_ms")),
-                    format_ratio(result.get("pct_floor_clean_l2"), "%"),
+                    format_ratio(result.get("pct_floor_clean_l2"), "%") + bound,
                     parity,
                     speed,
                 ]
@@ -358,10 +394,15 @@ def markdown_report(report: dict) -> str:
     if grid:
         parts += [grid_summary(report), ""]
     if ceilings:
-        parts += [f"Measured copy ceiling: {ceilings['copy_tbps']:.2f} TB/s (read + write).", ""]
+        fp8_rate = ceilings.get("fp8_matmul_tflops")
+        fp8_text = f"fp8 {fp8_rate:.0f}" if fp8_rate else "fp8 not measured (bytes only)"
+        copy, bf16 = ceilings["copy_tbps"], ceilings["matmul_tflops"]
+        parts += [f"Measured ceilings: copy {copy:.2f} TB/s (read + write); matmul bf16 "
+                  f"{bf16:.0f}, {fp8_text} TFLOP/s.", ""]  # fmt: skip
     parts += [
-        f"Median ms ({report['timing']['timer']}). Floors: fp8 docs + query + scales + fp32 "
-        "scores (fp8 rows), bf16 docs + query + scores (bf16 rows), at the copy ceiling. "
+        f"Median ms ({report['timing']['timer']}). Floors: the bytes (fp8 docs + query + scales + "
+        "fp32 scores for fp8 rows, bf16 docs + query + scores for bf16 rows) at the copy "
+        "ceiling, or the FLOPs at the row's matmul rate where that is longer (marked *). "
         f"Speedup = implementation ms / {IMPLEMENTATIONS[HEADLINE][0]} ms. Parity: relative "
         "error vs the float64 reference of the dequantized inputs (fp8 bound 5e-2, bf16 1e-2). "
         "\"L2 clean\": the same call timed after a flush that reads a 256 MB buffer instead of "
@@ -466,7 +507,7 @@ def main(argv=None) -> int:
         timing = TIMING["quick" if args.quick else "full"]
         timer = (f"triton do_bench, warm-up {timing['warmup_ms']} ms, rep {timing['rep_ms']} ms; "
                  f"the lowest of {TIMING_ROUNDS} rounds' medians, as for L2 clean")  # fmt: skip
-        ceilings = measure_ceilings(device, **timing)
+        ceilings = fp8_ceilings(device, **timing)
 
     env = environment_info(["lik", *PEER_DISTRIBUTIONS])
     stem = result_stem(suite, env["gpu"], args.dry_run)

@@ -215,3 +215,27 @@ def test_the_training_floor_counts_a_steps_least_traffic_and_its_forward_flops()
                                               {"layout": "kd", "pct_floor": 87.0},
                                               {"layout": "dense", "pct_floor": 20.0}]}  # fmt: skip
     assert "KD cells: lik at 61-87% of their floor." in bench_train.floor_line(report)
+
+
+def test_the_fp8_floor_is_the_longer_of_bytes_at_the_copy_rate_and_flops_at_the_dtypes_rate():
+    bench_fp8 = pytest.importorskip("bench_fp8")
+    from common import Shape
+
+    shape = Shape("fp8", 8, 100, 32, 64, 128)
+    # fp8 rows: one byte per element, and scales (two per-tensor ones, or one per token).
+    tokens = 8 * 32 + 100 * 64
+    fp8_bytes = tokens * 128 + 4 * 2 + 8 * 100 * 4
+    assert bench_fp8.floor_bytes(shape, "fp8", "tensor") == fp8_bytes
+    assert bench_fp8.floor_bytes(shape, "fp8", "token") == fp8_bytes - 8 + 4 * tokens
+    flops = 2 * 8 * 100 * 32 * 64 * 128
+    fast = {"copy_tbps": 1.0, "matmul_tflops": 1e6, "fp8_matmul_tflops": 1e6}
+    assert bench_fp8.floor_ms(shape, "fp8", "tensor", fast) == {
+        "floor_ms": pytest.approx(fp8_bytes / 1e12 * 1e3), "bound": "memory"}  # fmt: skip
+    # A slow fp8 matmul binds the fp8 rows, and only them: bf16 rows use the bf16 rate.
+    slow_fp8 = {**fast, "fp8_matmul_tflops": 1e-6}
+    assert bench_fp8.floor_ms(shape, "fp8", "token", slow_fp8) == {
+        "floor_ms": pytest.approx(flops / 1e6 * 1e3), "bound": "compute"}  # fmt: skip
+    assert bench_fp8.floor_ms(shape, "bf16", None, slow_fp8)["bound"] == "memory"
+    # No fp8 matmul on the card: the fp8 floor counts bytes alone.
+    unmeasured = {**slow_fp8, "fp8_matmul_tflops": None}
+    assert bench_fp8.floor_ms(shape, "fp8", "tensor", unmeasured)["bound"] == "memory"
