@@ -46,6 +46,7 @@ from common import (
     relative_error,
     release_cached_memory,
     result_stem,
+    roofline_floor,
     rotating,
     rotation_count,
     speedup_series,
@@ -151,13 +152,12 @@ def fp8_ceilings(device, *, warmup_ms: int, rep_ms: int) -> dict:
 
 
 def floor_ms(shape: Shape, storage: str, granularity: str | None, ceilings: dict) -> dict:
-    """An implementation's floor: its bytes (floor_bytes) at the copy rate or its FLOPs at
-    its dtype's matmul rate, whichever is longer, and which one binds."""
-    memory_ms = floor_bytes(shape, storage, granularity) / (ceilings["copy_tbps"] * 1e12) * 1e3
+    """An implementation's floor (common.roofline_floor): its bytes (floor_bytes) at the
+    copy rate or its FLOPs at its dtype's matmul rate, whichever is longer; bytes alone
+    where the card's fp8 rate was not measured."""
     rate = ceilings["matmul_tflops"] if storage == "bf16" else ceilings.get("fp8_matmul_tflops")
-    compute_ms = shape.flops / (rate * 1e12) * 1e3 if rate else 0.0
-    bound = "compute" if compute_ms > memory_ms else "memory"
-    return {"floor_ms": max(memory_ms, compute_ms), "bound": bound}
+    rated = {**ceilings, "matmul_tflops": rate or float("inf")}
+    return roofline_floor(shape, rated, floor_bytes(shape, storage, granularity))
 
 
 def floor_bytes(shape: Shape, storage: str, granularity: str | None) -> int:
