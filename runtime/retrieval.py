@@ -85,7 +85,8 @@ def _encode(scores: torch.Tensor, ids: torch.Tensor, largest: bool) -> torch.Ten
     """One int64 per candidate; a larger key (largest=True) or smaller key (largest=False)
     is always the better candidate, and equal scores prefer the lower id.
 
-    In place where possible: the keys and one temporary, 16 bytes per candidate.
+    ids broadcast against scores ([1, n] for a range of docs). Eight elementwise ops,
+    since a chunked retrieve pays their launches once per chunk.
     """
     # + 0.0 folds -0.0 into 0.0, which compare equal as floats (and makes a copy).
     values = scores.float() + 0.0
@@ -93,20 +94,12 @@ def _encode(scores: torch.Tensor, ids: torch.Tensor, largest: bool) -> torch.Ten
     # orders NaN; NaN from arithmetic (inf - inf on x86) has its sign bit set and would
     # otherwise sort below -inf, hiding a corrupt document from the top of the results.
     values.masked_fill_(values.isnan(), float("nan"))
-    keys = values.view(torch.int32).to(torch.int64)
-    del values
+    ordered = values.view(torch.int32)
     # Negative floats order backwards as integers: flip their magnitude bits.
-    flip = keys >> 31
-    flip &= _SIGN_CLEAR
-    keys ^= flip
-    del flip
-    keys <<= 32  # the low 32 bits are now zero, so adding the id bits sets them
-    if largest:
-        keys += _LOW_32
-        keys -= ids
-    else:
-        keys += ids
-    return keys
+    ordered ^= (ordered >> 31) & _SIGN_CLEAR
+    # The score's bits above the id's, in one op: id_bits + ordered * 2**32 in int64.
+    id_bits = (_LOW_32 - ids) if largest else ids
+    return torch.add(id_bits, ordered, alpha=1 << 32)
 
 
 def _decode(keys: torch.Tensor, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,13 +116,15 @@ def _best_keys(keys: torch.Tensor, k: int, largest: bool, sorted: bool) -> torch
     return keys.topk(min(k, keys.shape[1]), dim=1, largest=largest, sorted=sorted).values
 
 
-def _best_keys_of(scores: torch.Tensor, ids: torch.Tensor, k: int, largest: bool):
-    """The k best keys of one candidate list, encoded a block of columns at a time."""
+def _fold_keys(best, scores: torch.Tensor, ids: torch.Tensor, k: int, largest: bool):
+    """The k best keys of `best` (keys kept so far, or None) and one candidate list,
+    encoded a block of columns at a time; no order among them."""
     width = max(1, KEY_BLOCK_ELEMENTS // max(1, scores.shape[0]))
-    best = []
     for start in range(0, max(1, scores.shape[1]), width):
         keys = _encode(scores[:, start : start + width], ids[:, start : start + width], largest)
-        best.append(_best_keys(keys, k, largest, sorted=False))
+        if best is not None:
+            keys = torch.cat([best, keys], dim=1)
+        best = _best_keys(keys, k, largest, sorted=False)
     return best
 
 
@@ -146,17 +141,14 @@ def merge_top_k(
     so the result does not depend on the order or grouping of the candidates. With
     sorted=True each row runs best first (equal scores by ascending id).
     """
-    keys = [key for s, i in candidates for key in _best_keys_of(s, i, k, largest)]
-    best = _best_keys(torch.cat(keys, dim=1), k, largest, sorted)
-    return _decode(best, largest)
+    best = None
+    for scores, ids in candidates:
+        best = _fold_keys(best, scores, ids, k, largest)
+    return _decode(_best_keys(best, k, largest, sorted), largest)
 
 
 # ---------------------------------------------------------------------------------------
 # One process
-
-
-def _doc_ids(start: int, stop: int, rows: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(start, stop, device=device, dtype=torch.int64).expand(rows, -1)
 
 
 def _validated(Q, D, top_k, q_mask, d_mask, chunk):
@@ -175,7 +167,10 @@ def _validated(Q, D, top_k, q_mask, d_mask, chunk):
 
 
 def _top_k_by_chunks(Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted):
-    """[Nq, k] best per query, scoring at most `chunk` docs at once (all when None)."""
+    """[Nq, k] best per query, scoring at most `chunk` docs at once (all when None).
+
+    The running best stays encoded between chunks, so each chunk costs its maxsim call,
+    its keys and one topk."""
     Nd, rows = D.shape[0], (Q.shape[0] if Q.dim() == 3 else 1)
     step = Nd if chunk is None else chunk
     best = None
@@ -183,14 +178,9 @@ def _top_k_by_chunks(Q, D, k, q_mask, d_mask, normalize, chunk, largest, sorted)
         stop = min(Nd, start + step)
         part_mask = None if d_mask is None else d_mask[start:stop]
         scores = maxsim(Q, D[start:stop], q_mask, part_mask, normalize=normalize)
-        scores = scores.view(rows, stop - start)
-        candidates = [(scores, _doc_ids(start, stop, rows, scores.device))]
-        if best is not None:
-            candidates.append(best)
-        # Intermediate merges need no order: the keys already carry the tie rule.
-        last = stop >= Nd
-        best = merge_top_k(candidates, k, largest=largest, sorted=sorted and last)
-    return best
+        ids = torch.arange(start, stop, device=scores.device)[None]
+        best = _fold_keys(best, scores.view(rows, stop - start), ids, k, largest)
+    return _decode(_best_keys(best, k, largest, sorted), largest)
 
 
 def _top_k_in_kernel(Q, D, k, q_mask, d_mask, normalize, sorted):
